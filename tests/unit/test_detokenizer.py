@@ -1,0 +1,447 @@
+"""Incremental detokenization, stop strings, chat templates and eos ids on tokenizers built here.
+
+Three tiny tokenizers are trained in the test (no downloads): a byte-level BPE (GPT-2 / Qwen
+style, with single-byte tokens that split multi-byte characters), a Metaspace BPE
+(SentencePiece-style "▁" tokens), and a Llama-style BPE with byte-fallback tokens `<0xE4>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+
+CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "A café in the town: naïve résumé, déjà vu.",
+    "中文 文本 测试 中文 我们 你好",
+    "emoji 🙂 smile 🙂🙂 done",
+    "print(x) if x else None  # code",
+] * 10
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Un café naïve, déjà vu — résumé!",
+    "你好 中文 测试 🙂 smile 🙂🙂",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "x = [i for i in range(10)]  # 🙂 é",
+]
+logger = logging.getLogger(__name__)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # A small vocabulary keeps many multi-byte characters split over several tokens.
+    trainer = trainers.BpeTrainer(
+        vocab_size=330,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+
+
+def _metaspace() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+def _llama_byte_fallback() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    ascii_corpus = [line.encode("ascii", "ignore").decode() for line in CORPUS]
+    trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(ascii_corpus, trainer)
+    # Add the 256 byte tokens so that every non-ASCII character falls back to <0xXX> pieces.
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> PreTrainedTokenizerFast:
+    return _byte_level()
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace", "llama_byte_fallback"])
+def any_tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
+    return {
+        "byte_level": _byte_level,
+        "metaspace": _metaspace,
+        "llama_byte_fallback": _llama_byte_fallback,
+    }[request.param]()
+
+
+def _decode(tokenizer, ids, skip_special_tokens=True) -> str:
+    return tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def _run(tokenizer, prompt_ids, output_ids, chunk_sizes, params=None):
+    """Feed `output_ids` in chunks; return (detokenizer, updates, flushed text or None)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params or SamplingParams())
+    updates, pos, i = [], 0, 0
+    while pos < len(output_ids):
+        size = chunk_sizes[i % len(chunk_sizes)]
+        update = detok.append(output_ids[pos : pos + size])
+        updates.append(update)
+        i += 1
+        pos += size
+        if update.stop_string is not None:
+            return detok, updates, None
+    return detok, updates, detok.flush()
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("chunk_sizes", [(1,), (3,), (9,), (1, 4, 2, 9)])
+def test_concatenation_equals_full_decode_without_prompt(any_tokenizer, chunk_sizes):
+    for text in TEXTS:
+        output_ids = _encode(any_tokenizer, text)
+        detok, updates, flushed = _run(any_tokenizer, [], output_ids, chunk_sizes)
+        emitted = "".join(u.text for u in updates) + flushed
+        assert emitted == _decode(any_tokenizer, output_ids)
+        assert detok.output_text == emitted
+        assert sum(u.num_tokens_kept for u in updates) == len(output_ids)
+        assert all(u.stop_string is None for u in updates)
+
+
+@pytest.mark.parametrize("chunk_sizes", [(1,), (2, 9)])
+def test_with_prompt_text_continues_the_prompt(any_tokenizer, chunk_sizes):
+    prompt_ids = _encode(any_tokenizer, "Tell me a story about the fox:")
+    for text in TEXTS:
+        output_ids = _encode(any_tokenizer, text)
+        _, updates, flushed = _run(any_tokenizer, prompt_ids, output_ids, chunk_sizes)
+        emitted = "".join(u.text for u in updates) + flushed
+        prompt_text = _decode(any_tokenizer, prompt_ids)
+        full_text = _decode(any_tokenizer, prompt_ids + output_ids)
+        assert full_text.startswith(prompt_text)
+        assert emitted == full_text[len(prompt_text) :]
+
+
+def test_prompt_context_keeps_leading_space_of_sentencepiece_token():
+    tokenizer = _metaspace()
+    output_ids = _encode(tokenizer, "the lazy dog")
+    assert tokenizer.convert_ids_to_tokens(output_ids[:1])[0].startswith("▁")
+    _, with_prompt, flushed = _run(tokenizer, _encode(tokenizer, "Hello"), output_ids, (1,))
+    assert "".join(u.text for u in with_prompt) + flushed == " the lazy dog"
+    _, without_prompt, flushed = _run(tokenizer, [], output_ids, (1,))
+    assert "".join(u.text for u in without_prompt) + flushed == "the lazy dog"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_token_sequences_byte_level(byte_level, seed):
+    rng = random.Random(seed)
+    prompt_ids = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(0, 8))]
+    output_ids = [rng.randrange(len(byte_level)) for _ in range(200)]
+    chunks = tuple(rng.randint(1, 9) for _ in range(7))
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip)
+        _, updates, flushed = _run(byte_level, prompt_ids, output_ids, chunks, params)
+        emitted = "".join(u.text for u in updates) + flushed
+        assert emitted == _decode(byte_level, output_ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_token_sequences_metaspace(seed):
+    tokenizer = _metaspace()
+    rng = random.Random(seed)
+    output_ids = [rng.randrange(len(tokenizer)) for _ in range(150)]
+    _, updates, flushed = _run(tokenizer, [], output_ids, (1, 5, 9))
+    assert "".join(u.text for u in updates) + flushed == _decode(tokenizer, output_ids)
+
+
+@pytest.mark.parametrize("make_tokenizer", [_byte_level, _llama_byte_fallback])
+def test_never_splits_a_utf8_character(make_tokenizer):
+    tokenizer = make_tokenizer()
+    text = "中文 测试 🙂🙂 café déjà 你好🙂"
+    output_ids = _encode(tokenizer, text)
+    # The test only means something if single tokens hold partial characters.
+    assert any("\ufffd" in _decode(tokenizer, [t]) for t in output_ids)
+    for chunk_sizes in [(1,), (2,), (3, 1)]:
+        _, updates, flushed = _run(tokenizer, [], output_ids, chunk_sizes)
+        assert all("\ufffd" not in u.text for u in updates)
+        assert flushed == ""
+        assert "".join(u.text for u in updates) == text
+
+
+def test_decode_window_stays_bounded(byte_level):
+    lengths: list[int] = []
+
+    class Spy:
+        def decode(self, ids, **kwargs):
+            lengths.append(len(ids))
+            return byte_level.decode(ids, **kwargs)
+
+    output_ids = _encode(byte_level, " ".join(TEXTS * 20))
+    assert len(output_ids) > 500
+    _, updates, flushed = _run(Spy(), _encode(byte_level, "prompt " * 50), output_ids, (1, 7))
+    assert "".join(u.text for u in updates) + flushed == _decode(byte_level, output_ids)
+    assert max(lengths) <= 12
+    assert len(lengths) <= 2 * len(output_ids) + 2
+
+
+def _reference_stop(tokenizer, output_ids, stops):
+    """Brute force: the first token after which a stop string shows up in the decoded text."""
+    for j in range(1, len(output_ids) + 1):
+        text = _decode(tokenizer, output_ids[:j])
+        found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+        if found:
+            _, start, stop = min(found)
+            return text[:start], j, stop
+    raise AssertionError("no stop string in the text")
+
+
+def _check_stop(tokenizer, text, stops, chunk_sizes):
+    output_ids = _encode(tokenizer, text)
+    params = SamplingParams(stop=stops)
+    detok, updates, flushed = _run(tokenizer, [], output_ids, chunk_sizes, params)
+    expected_text, expected_num_tokens, expected_stop = _reference_stop(
+        tokenizer, output_ids, stops
+    )
+    assert flushed is None
+    assert updates[-1].stop_string == expected_stop == detok.stop_string
+    num_kept = sum(u.num_tokens_kept for u in updates)
+    assert num_kept == expected_num_tokens
+    assert "".join(u.text for u in updates) == expected_text == detok.output_text
+    assert all(not any(s in u.text for s in stops) for u in updates)
+    return updates, output_ids
+
+
+STOP_TEXT = "hello world, the quick brown fox jumps over the lazy dog."
+
+
+@pytest.mark.parametrize("chunk_sizes", [(1,), (2,), (9,), (100,)])
+def test_stop_string_inside_one_token(any_tokenizer, chunk_sizes):
+    output_ids = _encode(any_tokenizer, STOP_TEXT)
+    # The first token whose text past its first character (>= 2 characters) first occurs there.
+    stop = None
+    for k in range(len(output_ids)):
+        start = len(_decode(any_tokenizer, output_ids[:k]))
+        inner = _decode(any_tokenizer, output_ids[: k + 1])[start + 1 :]
+        if len(inner) >= 2 and STOP_TEXT.find(inner) == start + 1:
+            stop = inner
+            break
+    assert stop is not None
+    logger.info("stop string %r inside one token", stop)
+    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, (stop,), chunk_sizes)
+    assert "".join(u.text for u in updates) == STOP_TEXT[: STOP_TEXT.find(stop)]
+
+
+@pytest.mark.parametrize("chunk_sizes", [(1,), (3,), (100,)])
+def test_stop_string_across_tokens(any_tokenizer, chunk_sizes):
+    output_ids = _encode(any_tokenizer, STOP_TEXT)
+    token_texts = [_decode(any_tokenizer, [t]) for t in output_ids]
+    boundaries = [len(_decode(any_tokenizer, output_ids[:k])) for k in range(2, len(output_ids))]
+    # A 4-character stop string whose characters come from two different tokens.
+    stop = next(
+        STOP_TEXT[b - 2 : b + 2]
+        for b in boundaries
+        if not any(STOP_TEXT[b - 2 : b + 2] in t for t in token_texts)
+    )
+    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, (stop,), chunk_sizes)
+    assert "".join(u.text for u in updates) == STOP_TEXT[: STOP_TEXT.find(stop)]
+
+
+def test_stop_string_at_the_very_start(any_tokenizer):
+    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, ("hel",), (1,))
+    assert "".join(u.text for u in updates) == ""
+
+
+def test_earliest_stop_string_wins(any_tokenizer):
+    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, ("lazy", "fox", "quick"), (4,))
+    assert updates[-1].stop_string == "quick"
+    assert "".join(u.text for u in updates) == "hello world, the "
+
+
+def test_stop_string_completing_first_wins_over_earlier_start(byte_level):
+    # "abcd" starts first but "bc" completes first, whatever the token boundaries.
+    for chunk_sizes in [(1,), (100,)]:
+        updates, _ = _check_stop(byte_level, "xx abcd yy", ("abcd", "bc"), chunk_sizes)
+        assert updates[-1].stop_string == "bc"
+        assert "".join(u.text for u in updates) == "xx a"
+
+
+def test_stop_string_in_multi_token_append_reports_tokens_kept(byte_level):
+    text = "Hello world, the quick brown fox jumps over the lazy dog."
+    output_ids = _encode(byte_level, text)
+    detok = IncrementalDetokenizer(byte_level, [], SamplingParams(stop=("brown",)))
+    first = detok.append(output_ids[:3])
+    update = detok.append(output_ids[3:])
+    j = next(
+        j for j in range(1, len(output_ids) + 1) if "brown" in _decode(byte_level, output_ids[:j])
+    )
+    assert first.num_tokens_kept == 3 and j > 3
+    assert update == DetokenizerUpdate(
+        text=text[: text.find("brown")][len(first.text) :],
+        num_tokens_kept=j - 3,
+        stop_string="brown",
+    )
+    with pytest.raises(AssertionError):
+        detok.append(output_ids[:1])
+
+
+def test_stop_string_made_of_multibyte_characters(any_tokenizer):
+    _check_stop(any_tokenizer, "你好 中文 测试 🙂 smile", ("文 测",), (1,))
+    _check_stop(any_tokenizer, "你好 中文 测试 🙂 smile", ("🙂",), (2,))
+
+
+def test_held_back_text_released_by_flush(byte_level):
+    text = "The quick brown fox jumps over the lazy dog"
+    output_ids = _encode(byte_level, text)
+    detok = IncrementalDetokenizer(byte_level, [], SamplingParams(stop=("dog!", "xyz")))
+    update = detok.append(output_ids)
+    assert update.stop_string is None and update.num_tokens_kept == len(output_ids)
+    assert update.text == "The quick brown fox jumps over the lazy "
+    assert detok.flush() == "dog"
+    assert detok.output_text == text
+    with pytest.raises(AssertionError):
+        detok.append(output_ids[:1])
+
+
+def test_partial_character_released_by_flush(byte_level):
+    ids = _encode(byte_level, "ok 测试")
+    # Cut the emoji's tokens short so that the output ends inside a character.
+    partial = next(
+        ids[:j] for j in range(len(ids), 0, -1) if _decode(byte_level, ids[:j]).endswith("\ufffd")
+    )
+    detok = IncrementalDetokenizer(byte_level, [], SamplingParams())
+    update = detok.append(partial)
+    assert "\ufffd" not in update.text
+    assert update.text + detok.flush() == _decode(byte_level, partial)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(byte_level, skip):
+    im_end = byte_level.convert_tokens_to_ids("<|im_end|>")
+    output_ids = _encode(byte_level, "Hi there 🙂") + [im_end] + _encode(byte_level, " bye")
+    _, updates, flushed = _run(
+        byte_level, [], output_ids, (1,), SamplingParams(skip_special_tokens=skip)
+    )
+    emitted = "".join(u.text for u in updates) + flushed
+    assert emitted == ("Hi there 🙂<|im_end|> bye" if not skip else "Hi there 🙂 bye")
+
+
+def test_empty_append(byte_level):
+    detok = IncrementalDetokenizer(byte_level, [1, 2], SamplingParams(stop=("x",)))
+    assert detok.append([]) == DetokenizerUpdate(text="", num_tokens_kept=0, stop_string=None)
+
+
+@pytest.fixture()
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = _byte_level()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_chat_template_string_and_parts(chat_tokenizer):
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "🙂"}],
+        },
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "And?"},
+    ]
+    ids = apply_chat_template(chat_tokenizer, messages)
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\n🙂<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAnd?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert type(ids) is list and all(type(t) is int for t in ids)
+    assert ids == chat_tokenizer.encode(expected, add_special_tokens=False)
+    no_prompt = apply_chat_template(chat_tokenizer, messages[:1], add_generation_prompt=False)
+    assert _decode(chat_tokenizer, no_prompt, skip_special_tokens=False).endswith("<|im_end|>\n")
+
+
+def test_chat_template_encodes_control_tokens_in_content_as_text(chat_tokenizer):
+    im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = apply_chat_template(chat_tokenizer, [{"role": "user", "content": "x<|im_end|>"}])
+    assert ids.count(im_end) == 1  # only the one the template writes
+    assert "x<|im_end|><|im_end|>" in _decode(chat_tokenizer, ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "tool", "content": "x"}], "role"),
+        ([{"content": "x"}], "role"),
+        ([{"role": "user", "content": 3}], "content"),
+        ([{"role": "user", "content": None}], "content"),
+        ([{"role": "user", "content": []}], "content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}], "text"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "text"),
+        (["hello"], "object"),
+        ([], "non-empty"),
+    ],
+)
+def test_chat_template_rejects_bad_messages(chat_tokenizer, messages, match):
+    with pytest.raises(ValueError, match=match):
+        apply_chat_template(chat_tokenizer, messages)
+
+
+def test_chat_template_missing_or_raising(byte_level, chat_tokenizer):
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(byte_level, [{"role": "user", "content": "x"}])
+    chat_tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="roles must alternate"):
+        apply_chat_template(chat_tokenizer, [{"role": "user", "content": "x"}])
+
+
+def test_load_tokenizer_and_eos_ids(chat_tokenizer, tmp_path):
+    chat_tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    text = "Un café 中文 🙂"
+    assert loaded.encode(text, add_special_tokens=False) == _encode(chat_tokenizer, text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert apply_chat_template(loaded, messages) == apply_chat_template(chat_tokenizer, messages)
+
+    eos = chat_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos_token_ids(loaded, tmp_path) == (eos,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert eos_token_ids(loaded, tmp_path) == (eos, im_end, 7)
+    assert eos_token_ids(loaded, tmp_path / "config.json") == (eos, 7)
+    assert eos_token_ids(loaded, None) == (eos,)
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "missing")
