@@ -50,7 +50,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML settings file (see configs/)")
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind)
-    parser.add_argument("--speculative-config", help="JSON, e.g. '{\"method\": \"ngram\"}'")
+    parser.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram"}\'')
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command == "generate":
         return _generate(args)
     return 2

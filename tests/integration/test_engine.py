@@ -37,8 +37,15 @@ def _step_until(engine: LLMEngine, predicate, limit: int = 200) -> None:
 
 
 def test_abort_at_every_stage_frees_all_blocks(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=64,
-              max_num_batched_tokens=8, max_num_seqs=2, max_model_len=128)
+    llm = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+        max_model_len=128,
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     prompt = list(range(10, 40))  # 30 tokens: 4 chunks of 8
@@ -57,7 +64,9 @@ def test_abort_at_every_stage_frees_all_blocks(tiny_llama):
 
 
 def test_stop_token_ids_and_length(llm):
-    greedy = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    greedy = llm.generate(
+        [[7, 8, 9]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     tokens = greedy[0].outputs[0].token_ids
     stop_at = tokens[5]
     first = tokens.index(stop_at)
@@ -71,7 +80,9 @@ def test_stop_token_ids_and_length(llm):
 
 
 def test_min_tokens_defers_stop_token(llm):
-    tokens = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = llm.generate(
+        [[7, 8, 9]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     stop_at = tokens[0].outputs[0].token_ids[0]
     out = llm.generate(
         [[7, 8, 9]],
@@ -102,16 +113,20 @@ def test_n_and_seeds(llm):
     noisy = [[9, 9, 9], [3, 4, 5], [1, 2, 3, 4]]
     mixed = llm.generate(
         noisy,
-        [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), params,
-         SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)],
+        [
+            SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+            params,
+            SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+        ],
     )
     assert [o.token_ids for o in mixed[1].outputs] == [o.token_ids for o in first.outputs]
 
 
 def test_logprobs_match_transformers(tiny_llama, llm):
     prompt = [11, 12, 13, 14]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
-                                                ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    )[0].outputs[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + out.token_ids])
     with torch.no_grad():
@@ -152,8 +167,15 @@ def test_text_prompt_without_tokenizer_is_rejected(llm):
 def test_randomized_workload_never_leaks(tiny_qwen2):
     """200 requests with random lengths, sampling options and aborts over a pool small enough to
     force preemption: everything finishes or is aborted, and every block comes back."""
-    llm = LLM(str(tiny_qwen2), dtype="float32", block_size=4, num_kv_blocks=48,
-              max_num_batched_tokens=32, max_num_seqs=8, max_model_len=96)
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=48,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=96,
+    )
     engine = llm.engine
     rng = random.Random(0)
     live: list[str] = []

@@ -69,14 +69,16 @@ def test_process_matches_reference(vocab_size: int, num_rows: int) -> None:
     assert num_truncated > num_rows // 4
 
 
-def test_process_accepts_bf16_and_leaves_input_alone() -> None:
-    logits = torch.randn(3, 20).to(torch.bfloat16)
+def test_process_accepts_bf16_views_and_leaves_input_alone() -> None:
+    logits = torch.randn(20, 3).to(torch.bfloat16).t()  # [3, 20], not contiguous
     before = logits.clone()
-    rows = [_row(SamplingParams(top_k=3, logit_bias={0: 5.0}))] * 3
+    params = SamplingParams(top_k=3, logit_bias={0: 5.0}, repetition_penalty=1.5)
+    rows = [_row(params, output=(4, 4, 9))] * 3
     processed = Sampler(20, EOS).process(logits, rows)
     assert torch.equal(logits, before)
-    expected = process_reference(logits[0], rows[0], eos_token_ids=EOS)
-    torch.testing.assert_close(processed[0], expected)
+    for i in range(3):
+        expected = process_reference(logits[i], rows[i], eos_token_ids=EOS)
+        torch.testing.assert_close(processed[i], expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
