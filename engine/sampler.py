@@ -218,7 +218,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         row_of = positions // vocab_size
         frequency = _per_row([row.params.frequency_penalty for row in rows], device)[row_of]
         presence = _per_row([row.params.presence_penalty for row in rows], device)[row_of]
-        values = flat[positions] - frequency
+        values = flat[positions] - frequency * counts.to(torch.float32)
         flat[positions] = values - presence
 
 

@@ -84,7 +84,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             fail("min_tokens", f"must be at least 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
+            fail(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             fail("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}.")
         if any(not s for s in self.stop):
@@ -113,4 +115,6 @@ class SamplingParams:
         """Token ids named by the request must exist in the model's vocabulary."""
         for token_id in (*self.stop_token_ids, *self.logit_bias.keys()):
             if token_id >= vocab_size:
-                raise ValueError(f"token id {token_id} is outside the vocabulary (size {vocab_size}).")
+                raise ValueError(
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})."
+                )

