@@ -32,7 +32,7 @@ def _make_fake_packages(root: Path, blobs: list[bytes], prefix: str = "fake-mode
 
 
 def _fake_model(parts: tuple, sha256: str, name: str = "fake-model") -> BundledModel:
-    return BundledModel(name, "a test model", parts, sha256, (2,), "fake")
+    return BundledModel(name, "a test model", parts, sha256, (2,))
 
 
 @pytest.fixture
