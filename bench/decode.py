@@ -1,0 +1,134 @@
+"""Batch-1 greedy decode speed: specserve vs transformers `generate`, side by side in one run.
+
+Both run the same model (default: the bundled Qwen2.5-Coder-1.5B in bfloat16) on the same
+chat-templated prompt, alternating, and the medians are compared. Decode cost per token is
+isolated from the prompt by timing a 1-token and an N-token generation of the same prompt:
+(t_N - t_1) / (N - 1). The bandwidth bound is the weight bytes read per token divided by the
+memory read bandwidth measured here.
+
+    python bench/decode.py [--model NAME] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.tokenizer import apply_chat_template  # noqa: E402
+
+PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Bytes per second a reduction over a large bfloat16 tensor reads."""
+    data = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    data.sum()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / min(times)
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: everything but the embedding table (only one row of
+    it is read), unless the embedding is also the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    is_tied = output is not None and output.weight.data_ptr() == embed.data_ptr()
+    return total if is_tied else total - embed.numel() * embed.element_size()
+
+
+def time_specserve(llm: LLM, prompt_ids: list[int], num_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate([prompt_ids], params)[0]
+    elapsed = time.perf_counter() - start
+    assert len(out.outputs[0].token_ids) == num_tokens
+    return elapsed
+
+
+def time_transformers(model, prompt_ids: list[int], num_tokens: int) -> float:
+    ids = torch.tensor([prompt_ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == num_tokens
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=4096)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.path, dtype=dtype).eval()
+    prompt_ids = apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": PROMPT}])
+
+    runners = {
+        "specserve": lambda n: time_specserve(llm, prompt_ids, n),
+        "transformers": lambda n: time_transformers(hf, prompt_ids, n),
+    }
+    for run in runners.values():  # warm-up: first-call kernel selection, allocator growth
+        run(2)
+    per_token: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, run in runners.items():  # alternating, so drift hits both alike
+            t_one, t_all = run(1), run(args.tokens)
+            per_token[name].append((t_all - t_one) / (args.tokens - 1))
+
+    ms = {name: 1e3 * statistics.median(v) for name, v in per_token.items()}
+    bandwidth = read_bandwidth()
+    bound_ms = 1e3 * weight_bytes_per_token(hf) / bandwidth
+    results = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompt_tokens": len(prompt_ids),
+        "decode_tokens": args.tokens,
+        "ms_per_token": ms,
+        "tokens_per_s": {name: 1e3 / v for name, v in ms.items()},
+        "speedup_vs_transformers": ms["transformers"] / ms["specserve"],
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_bound_ms_per_token": bound_ms,
+        "specserve_vs_bound": ms["specserve"] / bound_ms,
+    }
+    print(f"model {args.model} ({args.dtype}), prompt {len(prompt_ids)} tokens, batch 1, greedy")
+    for name, value in ms.items():
+        print(f"  {name:<13} {value:7.1f} ms/token  {1e3 / value:6.2f} tokens/s")
+    print(f"  speedup vs transformers: {results['speedup_vs_transformers']:.2f}x")
+    print(
+        f"  bandwidth bound: {bound_ms:.1f} ms/token ({bandwidth / 1e9:.1f} GB/s read); "
+        f"specserve at {results['specserve_vs_bound']:.2f}x the bound"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
