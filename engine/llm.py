@@ -79,8 +79,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 def _broadcast(

@@ -40,12 +40,11 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _shard_bounds(cfg: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
     if fused == "qkv_proj":
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        starts = (0, q, q + kv)
-        sizes = (q, kv, kv)
+        sizes = [q, kv, kv]
     else:
-        starts = (0, cfg.intermediate_size)
-        sizes = (cfg.intermediate_size, cfg.intermediate_size)
-    return starts[shard], starts[shard] + sizes[shard]
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    start = sum(sizes[:shard])
+    return start, start + sizes[shard]
 
 
 def _target(cfg: ModelConfig, name: str) -> tuple[str, tuple[int, int] | None] | None:
