@@ -10,9 +10,17 @@ import torch
 TINY_VOCAB = 320
 
 
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
 def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Save a tiny random-weight transformers model (float32) of the given family to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -29,12 +37,8 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     )
     common.update(overrides)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(arch)
+    config_cls, model_cls = _FAMILIES[arch]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common))
     # Random init gives near-uniform logits; widen them so greedy choices are well separated.
     with torch.no_grad():
         for name, p in model.named_parameters():

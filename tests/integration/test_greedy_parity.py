@@ -119,3 +119,18 @@ def test_one_request_alone_equals_batched(tiny_llama):
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS[:3]]
     assert alone == batched[:3]
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("qwen3", dict(head_dim=32)), ("mistral", dict(sliding_window=None))],
+)
+def test_other_families_match_transformers(tmp_path, arch, overrides):
+    from tests.conftest import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / arch, arch, seed=3, **overrides)
+    expected = _reference(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=16)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
