@@ -61,6 +61,8 @@ class Request:
         self.detokenizer: Any = None  # set by the engine when a tokenizer is present
         self.output_text = ""
         self.first_token_time: float | None = None
+        # OpenAI Predicted Outputs: the client's guess of the output, a draft source.
+        self.prediction_token_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

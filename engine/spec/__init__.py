@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (drafts), verification (rejection sampling), configuration."""

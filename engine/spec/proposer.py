@@ -1,0 +1,66 @@
+"""The `Proposer` protocol every draft source implements, and the registry that names them.
+
+A proposer is asked, once per step, for drafts for the decoding requests the scheduler granted
+draft tokens to; it may propose fewer tokens than granted, or none. Drafts without a
+distribution (n-gram lookup, predicted outputs, a greedy draft model) are verified as one-hot q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens for one request and one step."""
+
+    token_ids: tuple[int, ...]  # d_1 .. d_k, k >= 1
+    source: str  # the proposer's name, for stats
+    probs: torch.Tensor | None = None  # [k, vocab_size] float32 processed q_j; None = one-hot
+
+    def __post_init__(self) -> None:
+        assert self.token_ids, "a draft has at least one token"
+        assert self.probs is None or self.probs.shape[0] == len(self.token_ids)
+
+
+class Proposer(Protocol):
+    """A source of draft tokens."""
+
+    name: str
+
+    def propose(
+        self, requests: Sequence[Request], max_lengths: Sequence[int]
+    ) -> list[Draft | None]:
+        """One entry per request: up to max_lengths[i] draft tokens that would follow
+        request.all_token_ids, or None when this source has nothing to offer."""
+        ...
+
+    def free(self, request: Request) -> None:
+        """Forget per-request state (the request finished, was aborted or preempted)."""
+        ...
+
+
+ProposerFactory = Callable[..., Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Class decorator: make a proposer constructible by name from a speculative config."""
+
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        PROPOSERS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_proposer(name: str, **kwargs: Any) -> Proposer:
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {name!r}; choose from {sorted(PROPOSERS)}.")
+    return PROPOSERS[name](**kwargs)
