@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from engine.spec.config import SpeculativeConfig
+
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -46,11 +48,14 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    speculative_config: Mapping[str, Any] | None = None
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
     seed: int = 0
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(
                 f"dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}."

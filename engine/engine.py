@@ -7,6 +7,7 @@ prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -17,25 +18,23 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.models.bundled import resolve_model
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.output_processor import RequestGroup, append_tokens, new_group
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, StepInput, kv_cache_blocks
-from engine.sampler import SamplerOutput
+from engine.runner import ModelRunner, SeqChunk, kv_cache_blocks
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.spec.config import SpeculativeConfig
+from engine.spec.proposer import Draft
+from engine.spec.speculator import ProposerContext, Speculator
+from engine.spec.stats import SpecStats
 from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.verifier import StepTokens, Verifier
 
 logger = logging.getLogger(__name__)
 
 _SEED_MODULUS = 2**64
-
-
-class _Group:
-    """The n sequences of one user request and the output object they fill."""
-
-    def __init__(self, output: RequestOutput, requests: list[Request]) -> None:
-        self.output = output
-        self.requests = requests
 
 
 class LLMEngine:
@@ -67,10 +66,20 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        spec_config = config.speculative_config
+        assert spec_config is None or isinstance(spec_config, SpeculativeConfig)
+        self.speculator = Speculator(spec_config, ProposerContext(self))
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_len,
+            draft_length=self.speculator.draft_length,
         )
-        self._groups: dict[str, _Group] = {}
+        self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
+        self._groups: dict[str, RequestGroup] = {}
+        # Seeds for requests that bring none: reproducible from the engine's own seed.
+        self._seeds = random.Random(config.seed)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -96,33 +105,38 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError for input the engine cannot serve."""
+        """Validate and queue a request. Raises ValueError for input the engine cannot serve.
+
+        `prediction` (OpenAI Predicted Outputs) is the client's guess of the output, text or
+        token ids: a draft source that speculation verifies like any other."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use.")
         token_ids = self.encode_prompt(prompt)
         params.validate_for_vocab(self.model_config.vocab_size)
         max_tokens = self._max_tokens(len(token_ids), params)
+        predicted = tuple(self.encode_prompt(prediction)) if prediction else ()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = []
         for i in range(params.n):
             seq_params = params
             if params.seed is not None and i > 0:
                 seq_params = replace(params, seed=(params.seed + i) % _SEED_MODULUS)
-            request = Request(f"{request_id}#{i}", token_ids, seq_params, max_tokens, arrival)
+            request = Request(
+                f"{request_id}#{i}",
+                token_ids,
+                seq_params,
+                max_tokens,
+                arrival,
+                sampling_seed=self._seeds.getrandbits(63),
+            )
+            request.prediction_token_ids = predicted
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             requests.append(request)
-        output = RequestOutput(
-            request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=token_ids,
-            outputs=[
-                CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-                for i in range(params.n)
-            ],
-        )
-        self._groups[request_id] = _Group(output, requests)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        self._groups[request_id] = new_group(request_id, prompt_text, token_ids, requests)
         for request in requests:
             self.scheduler.add(request)
 
@@ -149,10 +163,14 @@ class LLMEngine:
             return False
         for request, completion in zip(group.requests, group.output.outputs, strict=True):
             if not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
                 completion.finish_reason = "abort"
         group.output.finished = True
         return True
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.speculator.free(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -163,82 +181,89 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step
 
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.speculator.stats
+
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and update. Returns the outputs that changed."""
+        """Schedule, draft, run the target once, verify, update. Returns the changed outputs."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
-        inputs = [
-            StepInput.build(r, n, self.block_manager.get_block_table(r.request_id))
-            for r, n in schedule.scheduled
-        ]
-        sampled = self.runner.execute(inputs)
-        return self._update(schedule, inputs, sampled)
+        drafts = self.speculator.propose(schedule.scheduled)
+        start = time.perf_counter()
+        chunks, items = self._build_batch(schedule, drafts)
+        logits = self.runner.forward(chunks)
+        results = self.verifier.run(logits, items) if logits is not None else []
+        if drafts:
+            self.speculator.stats.verify_time += time.perf_counter() - start
+        return self._update(schedule, chunks, drafts, results)
+
+    def _build_batch(
+        self, schedule: SchedulerOutput, drafts: dict[str, Draft]
+    ) -> tuple[list[SeqChunk], list[tuple[Request, Draft | None]]]:
+        chunks, items = [], []
+        for s in schedule.scheduled:
+            request, start = s.request, s.request.num_computed_tokens
+            draft = drafts.get(request.request_id)
+            draft_ids = list(draft.token_ids) if draft is not None else []
+            samples = start + s.num_new_tokens == request.num_tokens
+            chunks.append(
+                SeqChunk(
+                    request.all_token_ids[start : start + s.num_new_tokens] + draft_ids,
+                    start,
+                    self.block_manager.get_block_table(request.request_id),
+                    1 + len(draft_ids) if samples else 0,
+                )
+            )
+            if samples:
+                items.append((request, draft))
+        return chunks, items
 
     def _update(
-        self, schedule: SchedulerOutput, inputs: list[StepInput], sampled: SamplerOutput | None
+        self,
+        schedule: SchedulerOutput,
+        chunks: list[SeqChunk],
+        drafts: dict[str, Draft],
+        results: list[StepTokens],
     ) -> list[RequestOutput]:
-        self.scheduler.update(schedule)
-        sampling = [s.request for s in inputs if s.samples]
-        if sampled is None or not sampling:
-            return []
-        token_ids = sampled.token_ids.tolist()
-        logprobs = _logprob_lists(sampled)
-        touched: dict[str, _Group] = {}
-        for row, request in enumerate(sampling):
-            request.append_token(token_ids[row])
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs.append(_token_logprob(request, token_ids[row], logprobs, row))
-            self._check_stop(request)
+        touched: dict[str, RequestGroup] = {}
+        step_results = iter(results)
+        for s, chunk in zip(schedule.scheduled, chunks, strict=True):
+            request = s.request
+            if not chunk.num_logits:  # a prompt chunk short of the end
+                self.scheduler.update(request, chunk.start + s.num_new_tokens)
+                continue
+            result = next(step_results)
+            self._apply(s, chunk, result, drafts.get(request.request_id))
             group_id = request.request_id.rpartition("#")[0]
             touched[group_id] = self._groups[group_id]
-        return [self._refresh(group_id, group) for group_id, group in touched.items()]
+        outputs = []
+        for group_id, group in touched.items():
+            outputs.append(group.refresh())
+            if group.output.finished:
+                del self._groups[group_id]
+        return outputs
 
-    def _check_stop(self, request: Request) -> None:
-        token_id = request.output_token_ids[-1]
-        params = request.params
-        status: RequestStatus | None = None
-        is_stop_token = token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
+    def _apply(
+        self, s: ScheduledRequest, chunk: SeqChunk, result: StepTokens, draft: Draft | None
+    ) -> None:
+        request = s.request
+        status, num_dropped = append_tokens(
+            request, result.token_ids, result.logprobs, self.eos_token_ids, self.max_model_len
         )
-        if is_stop_token and request.num_output_tokens >= params.min_tokens:
-            status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
-        elif request.detokenizer is not None:
-            update = request.detokenizer.append([token_id])
-            request.output_text += update.text
-            if update.stop_string is not None:
-                request.truncate_output(request.num_output_tokens - 1 + update.num_tokens_kept)
-                request.stop_reason = update.stop_string
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
+        if draft is not None:
+            num_cut = min(num_dropped, result.num_accepted)
+            self.speculator.stats.record(
+                result.num_draft_tokens, result.num_accepted, draft.source, num_cut
+            )
+            request.spec_stats.record(
+                result.num_draft_tokens, result.num_accepted, draft.source, num_cut
+            )
+        # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back.
+        self.scheduler.update(request, chunk.start + s.num_new_tokens + result.num_accepted)
         if status is not None:
-            if request.detokenizer is not None and request.stop_reason is None:
-                request.output_text += request.detokenizer.flush()
-            self.scheduler.finish(request, status)
-
-    def _refresh(self, group_id: str, group: _Group) -> RequestOutput:
-        """Bring the group's output up to date with its sequences; drop finished groups."""
-        for request, completion in zip(group.requests, group.output.outputs, strict=True):
-            num_old = len(completion.token_ids)
-            completion.new_token_ids = request.output_token_ids[num_old:]
-            completion.new_text = request.output_text[len(completion.text) :]
-            completion.token_ids = list(request.output_token_ids)
-            completion.text = request.output_text
-            if completion.logprobs is not None and request.logprobs is not None:
-                completion.logprobs = list(request.logprobs)
-            completion.num_cached_tokens = request.num_cached_tokens
-            if request.is_finished:
-                completion.finish_reason = request.status.value
-                completion.stop_reason = request.stop_reason
-        group.output.finished = all(r.is_finished for r in group.requests)
-        if group.output.finished:
-            del self._groups[group_id]
-        return group.output
+            self._finish(request, status)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -251,27 +276,3 @@ def _maybe_load_tokenizer(path: Any) -> Any:
         logger.info("no tokenizer in %s: prompts must be token ids", path)
         return None
     return load_tokenizer(path)
-
-
-def _logprob_lists(
-    sampled: SamplerOutput,
-) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
-    if sampled.logprobs is None or sampled.top_token_ids is None or sampled.top_logprobs is None:
-        return None
-    return sampled.logprobs.tolist(), sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()
-
-
-def _token_logprob(
-    request: Request,
-    token_id: int,
-    logprobs: tuple[list[float], list[list[int]], list[list[float]]],
-    row: int,
-) -> TokenLogprob:
-    num_top = request.params.logprobs or 0
-    chosen, top_ids, top_values = logprobs
-    return TokenLogprob(
-        token_id=token_id,
-        logprob=chosen[row],
-        top_token_ids=tuple(top_ids[row][:num_top]),
-        top_logprobs=tuple(top_values[row][:num_top]),
-    )

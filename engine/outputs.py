@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.spec.stats import SpecStats
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -29,6 +31,7 @@ class CompletionOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    spec_stats: SpecStats | None = None  # this completion's speculation counters
 
     @property
     def finished(self) -> bool:

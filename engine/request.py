@@ -16,6 +16,24 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.spec.stats import SpecStats
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix(*values: int) -> int:
+    """A well-spread 63-bit seed from several integers (torch seeds must fit in int64)."""
+    x = 0
+    for value in values:
+        x = _splitmix64(x ^ (value & _MASK64))
+    return x >> 1
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +58,7 @@ class Request:
         params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        sampling_seed: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -54,15 +73,26 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed)
+        # Randomness is keyed by output position (see `generator`), never drawn from a stream
+        # that other steps or other requests advance.
+        self.sampling_seed = params.seed if params.seed is not None else (sampling_seed or 0)
         self.detokenizer: Any = None  # set by the engine when a tokenizer is present
         self.output_text = ""
         self.first_token_time: float | None = None
         # OpenAI Predicted Outputs: the client's guess of the output, a draft source.
         self.prediction_token_ids: tuple[int, ...] = ()
+        self.spec_stats = SpecStats()
+
+    def generator(self, output_index: int, stream: int = 0) -> torch.Generator:
+        """The generator for the token at output position output_index (stream 0: sampling it;
+        other streams: the verifier's and the draft model's draws for that position).
+
+        Keying randomness by position makes a seeded request sample the same tokens whatever
+        else shares its batch, and whether or not its tokens were drafted: with one-hot drafts
+        the verifier draws each position's token exactly as plain sampling would."""
+        generator = torch.Generator()
+        generator.manual_seed(_mix(self.sampling_seed, output_index, stream))
+        return generator
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,14 @@
-"""The model runner: owns the model, the paged KV tensors and the sampler; runs one step.
+"""The model runner: owns a model and its paged KV tensors; runs one flattened forward.
 
-A step is ONE forward over the flattened query tokens of every scheduled request (prompt chunks
-and decode tokens mixed), then logits only for the rows that sample, then one batched sampler call.
+A step is ONE forward over the query tokens of every scheduled sequence back to back (prompt
+chunks, decode tokens and draft tokens to verify alike), with logits only for the rows that
+sample. The target model and a draft model each have a runner; they share block tables.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +17,6 @@ from engine.attention import BatchLayout, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.models.llama import ForwardContext, RotaryEmbedding
 from engine.models.loader import load_model
-from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -24,26 +24,17 @@ _DEFAULT_CPU_KV_MEMORY = 2 << 30  # bytes
 
 
 @dataclass(frozen=True)
-class StepInput:
-    """One scheduled request as the runner sees it, fixed when the step is built (the request's
-    counters move on in the update)."""
+class SeqChunk:
+    """The tokens of one sequence computed this step, and how many of the last ones need logits
+    (0 for a prompt chunk that does not reach the end, 1 to sample, 1 + k to verify k drafts)."""
 
-    request: Request
-    start: int  # first position computed this step (= num_computed_tokens before the step)
-    num_new_tokens: int
-    block_table: tuple[int, ...]
-    samples: bool  # the step reaches the last known token, so it yields a new token
+    token_ids: Sequence[int]
+    start: int  # position of token_ids[0]
+    block_table: Sequence[int]
+    num_logits: int
 
-    @classmethod
-    def build(cls, request: Request, num_new_tokens: int, block_table: list[int]) -> StepInput:
-        start = request.num_computed_tokens
-        return cls(
-            request=request,
-            start=start,
-            num_new_tokens=num_new_tokens,
-            block_table=tuple(block_table),
-            samples=start + num_new_tokens == request.num_tokens,
-        )
+    def __post_init__(self) -> None:
+        assert self.token_ids and 0 <= self.num_logits <= len(self.token_ids)
 
 
 def kv_cache_blocks(
@@ -70,7 +61,7 @@ def _default_memory(config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    """Runs the target model over paged KV for a batch of scheduled requests."""
+    """Runs one model (the target, or a draft) over paged KV."""
 
     def __init__(
         self,
@@ -78,9 +69,10 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         num_blocks: int,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.device = config.torch_device()
-        self.dtype = config.torch_dtype(model_config)
+        self.dtype = dtype or config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.model = load_model(model_config, self.dtype, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
@@ -95,9 +87,9 @@ class ModelRunner:
             )
             for _ in range(model_config.num_layers)
         )
-        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            "%s KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            model_config.path.name,
             num_blocks,
             config.block_size,
             2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / 2**20,
@@ -105,44 +97,25 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: list[StepInput]) -> SamplerOutput | None:
-        """Run one forward over all inputs; sample for the inputs whose `samples` is true (in
-        order). Returns None when no input samples (only prompt chunks in flight)."""
-        hidden, sample_idx = self._forward(inputs)
-        if not sample_idx:
-            return None
-        logits = self.model.compute_logits(hidden[sample_idx])  # [num_sampling, vocab_size]
-        rows = [
-            SamplingRow(
-                params=s.request.params,
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
-                generator=s.request.generator,
-            )
-            for s in inputs
-            if s.samples
-        ]
-        return self.sampler.sample(logits, rows)
-
-    def _forward(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
+        """One forward over all chunks -> logits [sum of num_logits, vocab_size] (model dtype),
+        rows in chunk order, or None when no chunk asks for logits."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_idx: list[int] = []
-        for s in inputs:
-            end = s.start + s.num_new_tokens
-            token_ids += s.request.all_token_ids[s.start : end]
-            span = range(s.start, end)
+        logit_idx: list[int] = []
+        for c in chunks:
+            span = range(c.start, c.start + len(c.token_ids))
+            token_ids += c.token_ids
             positions += span
-            table = s.block_table
+            table = c.block_table
             slots += [table[p // bs] * bs + p % bs for p in span]
-            if s.samples:
-                sample_idx.append(len(token_ids) - 1)
+            logit_idx += range(len(token_ids) - c.num_logits, len(token_ids))
         layout = BatchLayout(
-            query_lens=tuple(s.num_new_tokens for s in inputs),
-            seq_lens=tuple(s.start + s.num_new_tokens for s in inputs),
-            block_tables=tuple(s.block_table for s in inputs),
+            query_lens=tuple(len(c.token_ids) for c in chunks),
+            seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
+            block_tables=tuple(tuple(c.block_table) for c in chunks),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_size=bs,
         )
@@ -156,4 +129,7 @@ class ModelRunner:
             sin=sin,
         )
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.model(ids, ctx), sample_idx
+        hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
+        if not logit_idx:
+            return None
+        return self.model.compute_logits(hidden[logit_idx])  # [num_logits, vocab_size]

@@ -95,17 +95,23 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row from logits [num_rows, vocab]."""
         self._check(logits, rows)
-        processed = self.process(logits, rows) if self._needs_processing(rows) else None
-        scores = logits if processed is None else processed  # [num_rows, vocab_size]
-        # Greedy answer for every row; random rows are overwritten below. Argmax of the raw
-        # (e.g. bf16) logits equals argmax of their float32 copy, so the plain path skips it.
-        token_ids = scores.argmax(dim=-1)  # [num_rows]
+        if self._needs_processing(rows):
+            return self.sample_processed(self.process(logits, rows), rows)
+        # All greedy and nothing to apply: argmax of the raw (e.g. bf16) logits equals argmax of
+        # their float32 copy, so the plain path skips the copy.
+        return with_logprobs(logits, logits.argmax(dim=-1), rows)
+
+    def sample_processed(
+        self, processed: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> SamplerOutput:
+        """Sample from logits that `process` already produced (so a caller that needs the
+        processed distributions too, such as verification, processes once)."""
+        token_ids = processed.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_idx:
-            assert processed is not None
-            idx = torch.tensor(random_idx, device=logits.device)
+            idx = torch.tensor(random_idx, device=processed.device)
             token_ids[idx] = _exponential_race(processed[idx], [rows[i] for i in random_idx])
-        return _with_logprobs(scores, token_ids, rows)
+        return with_logprobs(processed, token_ids, rows)
 
     def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
         for row in rows:
@@ -328,9 +334,11 @@ def _exponential_race(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> t
     return (probs / noise).argmax(dim=-1)
 
 
-def _with_logprobs(
+def with_logprobs(
     scores: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
 ) -> SamplerOutput:
+    """Package token_ids [num_rows] with their logprobs under log_softmax(scores) (the processed
+    logits, or raw logits on the plain greedy path) when some row asks for logprobs."""
     widths = [row.params.logprobs for row in rows if row.params.logprobs is not None]
     if not widths:
         return SamplerOutput(token_ids, None, None, None)

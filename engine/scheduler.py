@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -22,10 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SchedulerOutput:
-    """What to compute this step: requests in batch order and their token counts."""
+class ScheduledRequest:
+    """One request's share of a step: known tokens to compute, and draft tokens it may verify
+    (slots are reserved for both; a proposer may fill fewer drafts than granted)."""
 
-    scheduled: tuple[tuple[Request, int], ...]
+    request: Request
+    num_new_tokens: int
+    num_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to compute this step, in batch order."""
+
+    scheduled: tuple[ScheduledRequest, ...]
     num_preempted: int = 0
 
     @property
@@ -34,7 +44,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -45,10 +55,15 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
+        draft_length: Callable[[Request], int] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # How many draft tokens a decoding request may verify this step (the speculation policy).
+        self.draft_length = draft_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
@@ -62,19 +77,24 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[ScheduledRequest] = []
         num_preempted = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            is_kept, num_victims = self._allocate_or_preempt(request, num_new)
+            num_drafts = self._num_drafts(request, num_new, budget)
+            if num_drafts and not self.block_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new + num_drafts
+            ):
+                num_drafts = 0  # speculation never preempts anyone
+            is_kept, num_victims = self._allocate_or_preempt(request, num_new + num_drafts)
             num_preempted += num_victims
             if not is_kept:
                 break  # the request preempted itself: nothing after it is left either
-            scheduled.append((request, num_new))
-            budget -= num_new
+            scheduled.append(ScheduledRequest(request, num_new, num_drafts))
+            budget -= num_new + num_drafts
             i += 1
 
         # Admitting new work right after preempting would only thrash the cache.
@@ -96,9 +116,25 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return SchedulerOutput(tuple(scheduled), num_preempted)
+
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens for a decoding request: what the policy grants, within the budget, the
+        context and max_tokens (a step emits at most drafts + 1 tokens)."""
+        is_decoding = num_new == 1 and request.num_output_tokens > 0
+        if self.draft_length is None or not is_decoding:
+            return 0
+        return max(
+            0,
+            min(
+                self.draft_length(request),
+                budget - num_new,
+                self.max_model_len - request.num_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+            ),
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, int]:
         """Reserve slots for num_new more tokens, preempting from the back of the running list.
@@ -122,13 +158,17 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s", request.request_id)
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Account for the computed tokens; register the blocks they filled in the prefix cache."""
-        for request, num_new in output.scheduled:
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+    def update(self, request: Request, num_computed_tokens: int) -> None:
+        """Record how many tokens now have valid KV (after a verify step: the accepted prefix,
+        the rejected draft positions rolled back), register the blocks they filled in the prefix
+        cache, and free blocks that only held rejected positions."""
+        request.num_computed_tokens = num_computed_tokens
+        if request.is_finished:
+            return
+        self.block_manager.cache_blocks(
+            request.request_id, request.all_token_ids, num_computed_tokens
+        )
+        self.block_manager.trim(request.request_id, request.num_tokens)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free its blocks, wherever it is."""

@@ -34,6 +34,12 @@ class Proposer(Protocol):
 
     name: str
 
+    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
+        """Called once per step before `propose`, with every scheduled request and the number of
+        tokens the target computes for it this step (a model drafter keeps its KV in sync with
+        the target's prefill chunks from this; lookup drafters need nothing)."""
+        ...
+
     def propose(
         self, requests: Sequence[Request], max_lengths: Sequence[int]
     ) -> list[Draft | None]:

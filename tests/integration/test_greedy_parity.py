@@ -68,7 +68,12 @@ class _Recorder:
 
     def __call__(self):
         out = self._schedule()
-        self.steps.append([(r.request_id, r.num_computed_tokens, n) for r, n in out.scheduled])
+        self.steps.append(
+            [
+                (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens)
+                for s in out.scheduled
+            ]
+        )
         return out
 
 

@@ -1,0 +1,57 @@
+"""Speculative decoding configuration, named as vLLM names it.
+
+`method` names one proposer or a priority chain joined by '+': "ngram", "draft_model",
+"ngram+draft_model" (n-gram first, the draft model where n-gram finds no match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine drafts: which proposers, how many tokens, and the draft model."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # the draft model (name or path), for draft_model
+    draft_dtype: str | None = None  # default: the target's dtype
+
+    def __post_init__(self) -> None:
+        from engine.spec.proposer import PROPOSERS
+
+        for name in self.methods:
+            if name not in PROPOSERS:
+                raise ValueError(
+                    f"unknown speculative method {name!r}; choose from {sorted(PROPOSERS)} "
+                    "(or a chain such as 'ngram+draft_model')."
+                )
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"speculative method {self.method!r} names a proposer twice.")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}."
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        if "draft_model" in self.methods and not self.model:
+            raise ValueError("speculative method draft_model needs 'model' (the draft model).")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.method.split("+"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {', '.join(unknown)}.")
+        if "method" not in data:
+            raise ValueError("speculative_config needs 'method'.")
+        return cls(**dict(data))

@@ -1,0 +1,149 @@
+"""A smaller model with the target's tokenizer drafts for it.
+
+The draft model has its own runner (its own weights and KV tensors) but indexes its KV with the
+SAME block tables as the target, so it needs no memory management of its own. Every step:
+
+1. One batched forward over every scheduled request: the tokens the draft has not seen yet (the
+   target's prefill chunk, or what the target accepted last step plus the recovered or bonus
+   token) — so the draft's prefill follows the target's chunks and it stays in sync while a
+   request is not speculating — with logits for the requests that draft, giving q_1 -> d_1.
+2. k - 1 more single-token forwards, batched across the drafting requests, for d_2 .. d_k.
+
+No feedback is needed after verification: the next step compares the request's tokens with the
+drafts it fed and keeps the KV of the accepted ones, so after a rejection the draft catches up in
+its first forward of the next step, without an extra pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.runner import ModelRunner, SeqChunk
+from engine.sampler import Sampler
+from engine.spec.proposer import Draft
+from engine.verifier import DRAFT_STREAM, sampling_row
+
+
+@dataclass
+class _DraftState:
+    num_computed: int = 0  # leading tokens of request.all_token_ids with valid draft KV
+    fed_at: int = 0  # request.num_tokens when the last drafts were fed
+    fed: tuple[int, ...] = ()  # drafts fed as inputs (their KV was written at fed_at + j)
+
+
+class DraftModelProposer:
+    """Drafts with a smaller model sharing the target's block tables."""
+
+    name = "draft_model"
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, block_manager: BlockManager) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.block_manager = block_manager
+        self._states: dict[str, _DraftState] = {}
+        self._scheduled: Sequence[tuple[Request, int]] = ()
+
+    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
+        self._scheduled = scheduled
+
+    def free(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)
+
+    def _sync(self, request: Request) -> _DraftState:
+        """Bring the state up to date: keep the KV of fed drafts the target accepted, and never
+        trust more than the target has computed (a preempted request starts over)."""
+        state = self._states.get(request.request_id)
+        if state is None:
+            # Blocks served from the prefix cache were filled by a request whose draft ran too.
+            state = self._states[request.request_id] = _DraftState(request.num_computed_tokens)
+        if state.fed:
+            tokens = request.all_token_ids
+            kept = 0
+            while (
+                kept < len(state.fed)
+                and state.fed_at + kept < len(tokens)
+                and tokens[state.fed_at + kept] == state.fed[kept]
+            ):
+                kept += 1
+            state.num_computed = max(state.num_computed, state.fed_at + kept)
+            state.fed = ()
+        state.num_computed = min(state.num_computed, request.num_computed_tokens)
+        return state
+
+    @torch.inference_mode()
+    def propose(
+        self, requests: Sequence[Request], max_lengths: Sequence[int]
+    ) -> list[Draft | None]:
+        wanted = {r.request_id: k for r, k in zip(requests, max_lengths, strict=True) if k > 0}
+        chunks, drafting = [], []
+        for request, num_new in self._scheduled:
+            state = self._sync(request)
+            end = request.num_computed_tokens + num_new  # what the target knows this step
+            k = wanted.get(request.request_id, 0)
+            if state.num_computed >= end:
+                continue
+            table = self.block_manager.get_block_table(request.request_id)
+            tokens = request.all_token_ids[state.num_computed : end]
+            chunks.append(SeqChunk(tokens, state.num_computed, table, 1 if k else 0))
+            state.num_computed = end
+            if k:
+                drafting.append((request, k))
+        if not chunks:
+            return [None] * len(requests)
+        logits = self.runner.forward(chunks)
+        drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
+            r.request_id: ([], []) for r, _ in drafting
+        }
+        for step in range(max((k for _, k in drafting), default=0)):
+            active = [(r, k) for r, k in drafting if k > step]
+            if step > 0:
+                logits = self.runner.forward(
+                    [self._feed(r, drafted[r.request_id][0]) for r, _ in active]
+                )
+            assert logits is not None
+            self._sample(logits, active, drafted)
+        return [self._draft(r, drafted) for r in requests]
+
+    def _feed(self, request: Request, ids: list[int]) -> SeqChunk:
+        """Feed the latest draft token back in to get the next distribution."""
+        state = self._states[request.request_id]
+        position = request.num_tokens + len(ids) - 1
+        state.fed_at, state.fed = request.num_tokens, tuple(ids)
+        table = self.block_manager.get_block_table(request.request_id)
+        return SeqChunk([ids[-1]], position, table, 1)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [num_active, vocab_size]
+        active: list[tuple[Request, int]],
+        drafted: dict[str, tuple[list[int], list[torch.Tensor]]],
+    ) -> None:
+        rows = []
+        for request, _ in active:
+            ids = drafted[request.request_id][0]
+            # The row for the draft's next position, history extended by the drafts so far.
+            rows.append(sampling_row(request, ids, DRAFT_STREAM))
+        processed = self.sampler.process(logits, rows)  # [num_active, vocab_size]
+        tokens = self.sampler.sample_processed(processed, rows).token_ids.tolist()
+        probs = processed.softmax(dim=-1)
+        for i, (request, _) in enumerate(active):
+            ids, dists = drafted[request.request_id]
+            ids.append(tokens[i])
+            if not request.params.is_greedy:
+                dists.append(probs[i])
+
+    def _draft(
+        self, request: Request, drafted: dict[str, tuple[list[int], list[torch.Tensor]]]
+    ) -> Draft | None:
+        if request.request_id not in drafted:
+            return None
+        ids, dists = drafted[request.request_id]
+        if not ids:
+            return None
+        probs = torch.stack(dists) if dists else None  # [k, vocab_size]
+        return Draft(tuple(ids), self.name, probs)

@@ -1,0 +1,136 @@
+"""Speculative decoding is lossless: greedy float32 output with every proposer and K equals the
+non-speculative engine and transformers `generate`, in mixed batches with chunked prefill and
+preemption; sampled output with one-hot drafts equals non-speculative sampled output."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import build_tiny_model
+from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    # Same vocabulary, different weights and depth: it disagrees often (forced rejections).
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=5, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    return _reference(target)
+
+
+def _spec(method: str, k: int, draft) -> dict:
+    config = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    if "draft_model" in method:
+        config["model"] = str(draft)
+    return config
+
+
+def _greedy_params():
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+def _run(llm: LLM):
+    outputs = llm.generate(PROMPTS, _greedy_params())
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "ngram+draft_model"])
+def test_greedy_speculation_is_lossless(target, random_draft, expected, method, k):
+    draft = target if method == "self_draft" else random_draft
+    name = "draft_model" if method == "self_draft" else method
+    llm = LLM(str(target), dtype="float32", speculative_config=_spec(name, k, draft))
+    assert _run(llm) == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    if method == "self_draft":
+        # A draft identical to the target is always right.
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if method == "draft_model":
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        dict(max_num_batched_tokens=7),  # chunked prefill while others verify
+        dict(block_size=4, num_kv_blocks=24, max_model_len=80),  # preemption mid-generation
+        dict(block_size=1, num_kv_blocks=600),
+    ],
+)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_pressure(target, random_draft, expected, method, scenario):
+    llm = LLM(
+        str(target), dtype="float32", speculative_config=_spec(method, 3, random_draft), **scenario
+    )
+    assert _run(llm) == expected
+    if "num_kv_blocks" in scenario and scenario["num_kv_blocks"] == 24:
+        assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_sampling_with_one_hot_drafts_equals_plain_sampling(target):
+    """With one-hot drafts each position draws its token exactly as plain sampling would, so a
+    seeded (or engine-seeded) request samples the very same tokens with speculation, whether
+    its drafts come from n-gram lookup or from a prediction."""
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, max_tokens=n, ignore_eos=True, seed=i)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    plain = [
+        o.outputs[0].token_ids
+        for o in LLM(str(target), dtype="float32", seed=3).generate(PROMPTS, params)
+    ]
+    spec = LLM(str(target), dtype="float32", seed=3, speculative_config=_spec("ngram", 4, None))
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == plain
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    engine = LLM(str(target), dtype="float32", seed=3).engine
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), prompt, p, prediction=plain[i])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [done[str(i)] for i in range(len(PROMPTS))] == plain
+    assert engine.spec_stats.num_prediction_rejected == 0
+
+
+def test_predicted_outputs(target, expected):
+    """A prediction equal to the true output is accepted in full; one with an edit in the middle
+    is rejected there and picked up again after it; neither changes the output."""
+    llm = LLM(str(target), dtype="float32")
+    truth = expected[0]
+    params = SamplingParams(temperature=0, max_tokens=len(truth), ignore_eos=True)
+    edited = truth[:10] + [(truth[10] + 7) % 300 + 3] + truth[11:]
+    engine = llm.engine
+    engine.add_request("right", PROMPTS[0], params, prediction=truth)
+    engine.add_request("edited", PROMPTS[0], params, prediction=edited)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert done["right"].token_ids == truth and done["edited"].token_ids == truth
+    right = done["right"].spec_stats
+    # Every token after the first (sampled at prefill) came from the prediction or as a bonus.
+    assert right.num_prediction_rejected == 0
+    assert right.num_prediction_accepted + right.num_drafts + 1 == len(truth)
+    edit = done["edited"].spec_stats
+    assert edit.num_prediction_rejected > 0
+    assert edit.num_prediction_accepted > 10  # re-synchronised after the edit
+    total = engine.spec_stats
+    assert (
+        total.num_prediction_accepted
+        == right.num_prediction_accepted + edit.num_prediction_accepted
+    )
