@@ -260,8 +260,10 @@ class LLMEngine:
             request.spec_stats.record(
                 result.num_draft_tokens, result.num_accepted, draft.source, num_cut
             )
-        # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back.
-        self.scheduler.update(request, chunk.start + s.num_new_tokens + result.num_accepted)
+        # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back
+        # (and so do accepted ones a stop condition cut off).
+        num_computed = chunk.start + s.num_new_tokens + result.num_accepted
+        self.scheduler.update(request, min(num_computed, request.num_tokens - 1))
         if status is not None:
             self._finish(request, status)
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +164,16 @@ def test_text_prompt_without_tokenizer_is_rejected(llm):
         llm.engine.add_request("text", "hello", SamplingParams())
 
 
-def test_randomized_workload_never_leaks(tiny_qwen2):
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
+def test_randomized_workload_never_leaks(tiny_qwen2, tmp_path, spec):
     """200 requests with random lengths, sampling options and aborts over a pool small enough to
-    force preemption: everything finishes or is aborted, and every block comes back."""
+    force preemption: everything finishes or is aborted, and every block comes back. With
+    speculation, a draft model of other weights forces rejections."""
+    config = None
+    if spec is not None:
+        config = {"method": spec, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+        if spec == "draft_model":
+            config["model"] = str(build_tiny_model(tmp_path / "draft", "qwen2", seed=9))
     llm = LLM(
         str(tiny_qwen2),
         dtype="float32",
@@ -175,6 +182,7 @@ def test_randomized_workload_never_leaks(tiny_qwen2):
         max_num_batched_tokens=32,
         max_num_seqs=8,
         max_model_len=96,
+        speculative_config=config,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -204,4 +212,7 @@ def test_randomized_workload_never_leaks(tiny_qwen2):
                 finished += 1
     assert finished > 100
     assert engine.scheduler.num_preemptions_total > 0
+    if spec is not None:
+        stats = engine.spec_stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
     _assert_idle(engine)

@@ -16,6 +16,7 @@ broken rules. Set SPECSERVE_FULL_DIST=1 to run every option with every proposer 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ NUM_SAMPLES = 20_000
 GROUP_SIZE = 500  # sequences per add_request (SamplingParams.n), each with its own seed
 DEPTH = 3  # generated tokens tested
 NUM_SPEC_TOKENS = 2
-MAX_NUM_SEQS = 2048
+MAX_NUM_SEQS = 1000
 ALPHA = 1e-3
 BROKEN_ALPHA = 1e-6
 
@@ -167,9 +168,7 @@ def _engine(target: Path, draft: Path, method: str):
     return llm.engine
 
 
-def _sample(
-    engine, option: str, prompt: list[int], predictions, num_samples: int, first_seed: int
-):
+def _sample(engine, option: str, prompt: list[int], predictions, num_samples: int, first_seed: int):
     """The first DEPTH tokens of num_samples continuations, in waves of MAX_NUM_SEQS in flight
     together (a wave that starts together steps in lockstep: most steps see one query length,
     which the torch attention backend runs as one batched call)."""
@@ -270,6 +269,34 @@ def _accept_one_hot_drafts(monkeypatch):
         return verify(sampled, drafts)
 
     monkeypatch.setattr(verifier, "verify_by_sampling", broken)
+
+
+def _ignore_draft_probs(monkeypatch):
+    """Verify a draft drawn from q as if it were one-hot (accept with probability p(d))."""
+    import engine.verifier as verifier
+
+    sample = verifier.rejection_sample
+
+    def broken(target_logits, draft_ids, draft_probs, generators):
+        ids = torch.tensor([t for ids in draft_ids for t in ids])
+        one_hot = torch.nn.functional.one_hot(ids, draft_probs.shape[1]).to(draft_probs.dtype)
+        return sample(target_logits, draft_ids, one_hot, generators)
+
+    monkeypatch.setattr(verifier, "rejection_sample", broken)
+
+
+def _freeze_penalty_window(monkeypatch):
+    """Process every verify row with the output before the drafts, as if penalties did not
+    advance over the drafts inside the window."""
+    import engine.verifier as verifier
+
+    rows = verifier.sampling_rows
+
+    def broken(request, draft_ids):
+        output = list(request.output_token_ids)
+        return [replace(row, output_token_ids=output) for row in rows(request, draft_ids)]
+
+    monkeypatch.setattr(verifier, "sampling_rows", broken)
 
 
 @pytest.mark.parametrize(

@@ -134,3 +134,56 @@ def test_predicted_outputs(target, expected):
         total.num_prediction_accepted
         == right.num_prediction_accepted + edit.num_prediction_accepted
     )
+
+
+def test_logprobs_with_speculation_equal_plain(target, random_draft):
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=4, ignore_eos=True)
+    plain = LLM(str(target), dtype="float32").generate(PROMPTS[:4], params)
+    spec = LLM(
+        str(target), dtype="float32", speculative_config=_spec("draft_model", 3, random_draft)
+    )
+    outs = spec.generate(PROMPTS[:4], params)
+    for a, b in zip(plain, outs, strict=True):
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert [e.token_id for e in la] == [e.token_id for e in lb]
+        for ea, eb in zip(la, lb, strict=True):
+            assert ea.logprob == pytest.approx(eb.logprob, abs=1e-4)
+            assert ea.top_token_ids == eb.top_token_ids
+            assert list(ea.top_logprobs) == pytest.approx(list(eb.top_logprobs), abs=1e-4)
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_stop_conditions_inside_an_accepted_window(target, expected, k):
+    """A self-draft accepts whole windows; stop tokens and max_tokens falling inside one must
+    end the output exactly where plain decoding ends it."""
+    spec = _spec("draft_model", k, target)
+    llm = LLM(str(target), dtype="float32", speculative_config=spec)
+    truth = expected[3]  # 24 tokens
+    # Token 0 comes from the prefill; each window of k + 1 tokens ends with the bonus. Stop on
+    # a token inside a window, so accepted drafts after it must be cut.
+    first = next(p for p in range(1, 24) if truth.index(truth[p]) == p and p % (k + 1))
+    stop_at = truth[first]
+    out = llm.generate(
+        [PROMPTS[3]],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_at]),
+    )[0].outputs[0]
+    assert out.token_ids == truth[: first + 1] and out.finish_reason == "stop"
+    for n in (2, 7, 11):
+        out = llm.generate(
+            [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )[0].outputs[0]
+        assert out.token_ids == truth[:n] and out.finish_reason == "length"
+    assert llm.engine.spec_stats.num_cut_by_stop > 0
+    llm.engine.block_manager.check_integrity()
+
+
+def test_seeded_draft_model_sampling_ignores_the_batch(target, random_draft):
+    llm = LLM(
+        str(target), dtype="float32", speculative_config=_spec("draft_model", 3, random_draft)
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=77, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.2, max_tokens=10, ignore_eos=True)
+    mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[5]], [noise, params, noise])
+    assert mixed[1].outputs[0].token_ids == alone
+    assert llm.engine.spec_stats.num_draft_tokens > llm.engine.spec_stats.num_accepted_tokens > 0
