@@ -64,3 +64,21 @@ def test_float32_greedy_matches_transformers():
         with torch.no_grad():
             ref = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
+
+
+def test_ngram_speculation_on_real_text_is_lossless():
+    """Copying from the prompt drafts well; output and stop-string handling match plain decoding."""
+    passage = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
+    messages = [{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}]
+    kwargs = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256)
+    plain = LLM(MODEL, **kwargs)
+    spec = LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 5}, **kwargs)
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=40, stop=["lazy"]),
+    ):
+        a = plain.chat(messages, params)[0].outputs[0]
+        b = spec.chat(messages, params)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert spec.engine.spec_stats.mean_acceptance_length > 2.0
+    assert "lazy" not in b.text and b.stop_reason == "lazy"
