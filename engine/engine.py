@@ -232,7 +232,9 @@ class LLMEngine:
         for s, chunk in zip(schedule.scheduled, chunks, strict=True):
             request = s.request
             if not chunk.num_logits:  # a prompt chunk short of the end
-                self.scheduler.update(request, chunk.start + s.num_new_tokens)
+                num_computed = chunk.start + s.num_new_tokens
+                num_cacheable = self.speculator.num_cacheable_tokens(request, num_computed)
+                self.scheduler.update(request, num_computed, num_cacheable)
                 continue
             result = next(step_results)
             self._apply(s, chunk, result, drafts.get(request.request_id))
@@ -262,8 +264,11 @@ class LLMEngine:
             )
         # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back
         # (and so do accepted ones a stop condition cut off).
-        num_computed = chunk.start + s.num_new_tokens + result.num_accepted
-        self.scheduler.update(request, min(num_computed, request.num_tokens - 1))
+        num_computed = min(
+            chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
+        )
+        num_cacheable = self.speculator.num_cacheable_tokens(request, num_computed)
+        self.scheduler.update(request, num_computed, num_cacheable)
         if status is not None:
             self._finish(request, status)
 

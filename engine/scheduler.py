@@ -158,16 +158,20 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s", request.request_id)
 
-    def update(self, request: Request, num_computed_tokens: int) -> None:
+    def update(
+        self, request: Request, num_computed_tokens: int, num_cacheable_tokens: int | None = None
+    ) -> None:
         """Record how many tokens now have valid KV (after a verify step: the accepted prefix,
-        the rejected draft positions rolled back), register the blocks they filled in the prefix
-        cache, and free blocks that only held rejected positions."""
+        the rejected draft positions rolled back), offer the full blocks of the first
+        num_cacheable_tokens (default: all computed) to the prefix cache, and free blocks that
+        only held rejected positions."""
         request.num_computed_tokens = num_computed_tokens
         if request.is_finished:
             return
-        self.block_manager.cache_blocks(
-            request.request_id, request.all_token_ids, num_computed_tokens
+        num_cacheable = (
+            num_computed_tokens if num_cacheable_tokens is None else num_cacheable_tokens
         )
+        self.block_manager.cache_blocks(request.request_id, request.all_token_ids, num_cacheable)
         self.block_manager.trim(request.request_id, request.num_tokens)
 
     def finish(self, request: Request, status: RequestStatus) -> None:

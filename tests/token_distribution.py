@@ -118,7 +118,8 @@ class TreeTest:
         parts = [
             f"t{i + 1}: p={c.pvalue:.3g} (dof {c.dof})" for i, c in enumerate(self.per_position)
         ]
-        return f"p={self.pvalue:.3g}; " + ", ".join(parts) + f"; {self.num_outside_support} off"
+        outside = f"{self.num_outside_support} samples outside the support"
+        return f"p={self.pvalue:.3g}; " + ", ".join(parts) + f"; {outside}"
 
 
 def tree_chisquare(

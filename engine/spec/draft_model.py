@@ -54,23 +54,29 @@ class DraftModelProposer:
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
 
+    def num_kv_tokens(self, request: Request) -> int | None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return 0
+        tokens, kept = request.all_token_ids, 0
+        while (
+            kept < len(state.fed)
+            and state.fed_at + kept < len(tokens)
+            and tokens[state.fed_at + kept] == state.fed[kept]
+        ):
+            kept += 1
+        return max(state.num_computed, state.fed_at + kept) if state.fed else state.num_computed
+
     def _sync(self, request: Request) -> _DraftState:
         """Bring the state up to date: keep the KV of fed drafts the target accepted, and never
         trust more than the target has computed (a preempted request starts over)."""
         state = self._states.get(request.request_id)
         if state is None:
-            # Blocks served from the prefix cache were filled by a request whose draft ran too.
+            # Cached blocks are offered to the prefix cache only once the draft's KV in them is
+            # written too (see num_kv_tokens), so a prefix hit is valid for the draft as well.
             state = self._states[request.request_id] = _DraftState(request.num_computed_tokens)
         if state.fed:
-            tokens = request.all_token_ids
-            kept = 0
-            while (
-                kept < len(state.fed)
-                and state.fed_at + kept < len(tokens)
-                and tokens[state.fed_at + kept] == state.fed[kept]
-            ):
-                kept += 1
-            state.num_computed = max(state.num_computed, state.fed_at + kept)
+            state.num_computed = self.num_kv_tokens(request) or 0
             state.fed = ()
         state.num_computed = min(state.num_computed, request.num_computed_tokens)
         return state

@@ -72,6 +72,9 @@ class PredictionProposer:
         assert len(requests) == len(max_lengths)
         return [self._propose_one(r, k) for r, k in zip(requests, max_lengths, strict=True)]
 
+    def num_kv_tokens(self, request: Request) -> int | None:
+        return None  # no KV of its own
+
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
 

@@ -51,6 +51,13 @@ class Proposer(Protocol):
         """Forget per-request state (the request finished, was aborted or preempted)."""
         ...
 
+    def num_kv_tokens(self, request: Request) -> int | None:
+        """For a proposer with KV of its own (a draft model): how many leading tokens of the
+        request its KV holds now. The target's blocks past that are not offered to the prefix
+        cache yet, so a later hit never inherits draft KV that was not written. None for
+        proposers without KV."""
+        ...
+
 
 ProposerFactory = Callable[..., Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {}

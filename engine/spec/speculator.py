@@ -77,6 +77,14 @@ class Speculator:
                 assert len(draft.token_ids) <= k, f"{proposer.name} drafted past its grant"
                 drafts[request.request_id] = draft
 
+    def num_cacheable_tokens(self, request: Request, num_computed: int) -> int:
+        """Leading tokens whose KV is complete in every model (target and drafts)."""
+        for proposer in self.chain:
+            num_kv = proposer.num_kv_tokens(request)
+            if num_kv is not None:
+                num_computed = min(num_computed, num_kv)
+        return num_computed
+
     def free(self, request: Request) -> None:
         for proposer in (self.prediction, *self.chain):
             proposer.free(request)

@@ -187,3 +187,34 @@ def test_seeded_draft_model_sampling_ignores_the_batch(target, random_draft):
     mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[5]], [noise, params, noise])
     assert mixed[1].outputs[0].token_ids == alone
     assert llm.engine.spec_stats.num_draft_tokens > llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_prefix_hit_never_inherits_unwritten_draft_kv(target):
+    """A self-draft accepts every draft. Request A is aborted right after fully accepted windows
+    (its last accepted draft's draft-KV not written yet); request B then hits A's blocks in the
+    prefix cache. B must still accept every draft: no block was cached ahead of the draft KV."""
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        block_size=1,
+        num_kv_blocks=400,
+        speculative_config=_spec("draft_model", 3, target),
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", PROMPTS[2], params)
+    for _ in range(3):  # prefill + two verify steps
+        engine.step()
+    a_tokens = engine._groups["a"].requests[0].output_token_ids[:]
+    assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens == 6
+    engine.abort("a")
+    before = engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens
+    engine.add_request(
+        "b", PROMPTS[2] + a_tokens, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    drafted = engine.spec_stats.num_draft_tokens - before[0]
+    accepted = engine.spec_stats.num_accepted_tokens - before[1]
+    assert engine.block_manager.prefix_cache_hits > 0
+    assert drafted > 0 and accepted == drafted
