@@ -15,6 +15,7 @@ Threading contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import queue
@@ -50,7 +51,9 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.last: RequestOutput | None = None  # engine thread only: the latest snapshot sent
+        # Engine thread only: the admitted request and the latest snapshot sent.
+        self.request: _Add | None = None
+        self.last: RequestOutput | None = None
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Hand an item to the consumer; False if its event loop is closed."""
@@ -253,7 +256,8 @@ class AsyncEngine:
                     self._abort(request_id, None)
                 return False
             self._apply(command)
-        self._publish()
+            # After every command, so that a `call` sees the counts of the commands before it.
+            self._publish()
         if self.engine.has_unfinished_requests():
             self._deliver(self.engine.step())
             self._publish()
@@ -295,6 +299,7 @@ class AsyncEngine:
                 logger.exception("add_request(%r) failed", command.request_id)
             command.stream.put(exc)
             return
+        command.stream.request = command
         self._streams[command.request_id] = command.stream
 
     def _abort(self, request_id: str, by: _Stream | None) -> bool:
@@ -305,7 +310,7 @@ class AsyncEngine:
             return False
         if not self.engine.abort(request_id):
             return False
-        del self._streams[request_id]
+        self._streams.pop(request_id, None)
         if by is None and stream is not None:
             stream.put(self._aborted_output(request_id, stream))
         return True
@@ -317,8 +322,19 @@ class AsyncEngine:
                 for c in stream.last.outputs
             ]
             return replace(stream.last, outputs=outputs, finished=True)
-        # Aborted before its first output: rebuild the prompt's part from the add command.
-        return RequestOutput(request_id, None, [], [CompletionOutput(0, finish_reason="abort")], True)
+        # Aborted before its first output (rare): rebuild the output from the request.
+        request = stream.request
+        assert request is not None
+        params, prompt = request.params, request.prompt
+        outputs = [
+            CompletionOutput(
+                i, finish_reason="abort", logprobs=[] if params.logprobs is not None else None
+            )
+            for i in range(params.n)
+        ]
+        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.engine.encode_prompt(prompt)
+        return RequestOutput(request_id, prompt_text, prompt_ids, outputs, finished=True)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -394,10 +410,8 @@ def _settle(command: _Call, result: Any, exc: BaseException | None) -> None:
         else:
             command.future.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the caller's event loop is closed
         command.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the caller's event loop is closed
-        pass
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:

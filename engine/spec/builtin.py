@@ -45,5 +45,8 @@ def _draft_model(spec: SpeculativeConfig, context: Any) -> Proposer:
         engine.config, draft_config, engine.max_model_len, engine.block_manager.num_blocks, dtype
     )
     return DraftModelProposer(
-        runner, Sampler(draft_config.vocab_size, engine.eos_token_ids), engine.block_manager
+        runner,
+        Sampler(draft_config.vocab_size, engine.eos_token_ids),
+        engine.block_manager,
+        spec.draft_min_confidence,
     )

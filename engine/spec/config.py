@@ -21,6 +21,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model (name or path), for draft_model
     draft_dtype: str | None = None  # default: the target's dtype
+    # The draft model stops drafting for a request once it gives its own token less than this.
+    draft_min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         from engine.spec.proposer import PROPOSERS
@@ -39,6 +41,8 @@ class SpeculativeConfig:
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        if not 0.0 <= self.draft_min_confidence < 1.0:
+            raise ValueError("draft_min_confidence must be in [0, 1).")
         if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative method draft_model needs 'model' (the draft model).")
 

@@ -41,8 +41,15 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        block_manager: BlockManager,
+        min_confidence: float = 0.0,
+    ) -> None:
         self.runner = runner
+        self.min_confidence = min_confidence
         self.sampler = sampler
         self.block_manager = block_manager
         self._states: dict[str, _DraftState] = {}
@@ -105,14 +112,24 @@ class DraftModelProposer:
         drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
             r.request_id: ([], []) for r, _ in drafting
         }
+        stopped: set[str] = set()
         for step in range(max((k for _, k in drafting), default=0)):
-            active = [(r, k) for r, k in drafting if k > step]
+            # A request stops drafting at its grant, or once the draft is unsure of its token.
+            active = [
+                (r, k)
+                for r, k in drafting
+                if step < k
+                and r.request_id not in stopped
+                and len(drafted[r.request_id][0]) == step
+            ]
+            if not active:
+                break
             if step > 0:
                 logits = self.runner.forward(
                     [self._feed(r, drafted[r.request_id][0]) for r, _ in active]
                 )
             assert logits is not None
-            self._sample(logits, active, drafted)
+            stopped.update(self._sample(logits, active, drafted))
         return [self._draft(r, drafted) for r in requests]
 
     def _feed(self, request: Request, ids: list[int]) -> SeqChunk:
@@ -128,20 +145,27 @@ class DraftModelProposer:
         logits: torch.Tensor,  # [num_active, vocab_size]
         active: list[tuple[Request, int]],
         drafted: dict[str, tuple[list[int], list[torch.Tensor]]],
-    ) -> None:
+    ) -> list[str]:
+        """Sample each active request's next draft token; return the ids of requests that stop
+        drafting here."""
         rows = []
         for request, _ in active:
             ids = drafted[request.request_id][0]
             # The row for the draft's next position, history extended by the drafts so far.
             rows.append(sampling_row(request, ids, DRAFT_STREAM))
         processed = self.sampler.process(logits, rows)  # [num_active, vocab_size]
-        tokens = self.sampler.sample_processed(processed, rows).token_ids.tolist()
-        probs = processed.softmax(dim=-1)
+        token_ids = self.sampler.sample_processed(processed, rows).token_ids  # [num_active]
+        probs = processed.softmax(dim=-1)  # [num_active, vocab_size]
+        # Early exit: a token the draft itself gives little probability is likely rejected, and
+        # every further draft forward would build on it. Stopping depends only on the draft's
+        # own samples, so verification stays exact.
+        confident = (probs.gather(1, token_ids[:, None])[:, 0] >= self.min_confidence).tolist()
         for i, (request, _) in enumerate(active):
             ids, dists = drafted[request.request_id]
-            ids.append(tokens[i])
+            ids.append(int(token_ids[i]))
             if not request.params.is_greedy:
                 dists.append(probs[i])
+        return [r.request_id for i, (r, _) in enumerate(active) if not confident[i]]
 
     def _draft(
         self, request: Request, drafted: dict[str, tuple[list[int], list[torch.Tensor]]]
