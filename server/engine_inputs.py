@@ -1,0 +1,100 @@
+"""What the engine takes from a validated request: sampling parameters, prompts and prediction.
+
+`to_sampling_params` maps OpenAI names onto `engine.sampling_params.SamplingParams` and raises
+`ValueError` (naming the field first, so `errors.from_value_error` finds `param`) for what the
+engine rejects. Mappings that are not one-to-one:
+- `max_completion_tokens` wins over the deprecated `max_tokens`; neither -> `default_max_tokens`
+  (None: up to the context length, checked by the engine).
+- `top_p: 0` keeps only the most likely token, i.e. greedy: temperature 0, top_p 1.
+- A negative seed maps into [0, 2**64) by two's complement.
+- chat `logprobs: true` + `top_logprobs: k` -> `logprobs=k` (0 when absent); completions
+  `logprobs: k` -> `logprobs=k`.
+- `speculation` is not a sampling parameter; it stays on the request for the engine bridge.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast, overload
+
+from engine.sampling_params import SamplingParams
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+_SEED_MODULUS = 2**64
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None
+) -> SamplingParams:
+    """The engine's sampling parameters for one request. Raises ValueError on invalid combos."""
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0.0:
+        temperature, top_p = 0.0, 1.0
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n or 1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=None if req.seed is None else req.seed % _SEED_MODULUS,
+        stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        logprobs=logprobs,
+        ignore_eos=bool(req.ignore_eos),
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
+
+
+@overload
+def prompt_of(req: ChatCompletionRequest) -> list[dict[str, Any]]: ...
+@overload
+def prompt_of(req: CompletionRequest) -> list[str] | list[list[int]]: ...
+
+
+def prompt_of(
+    req: ChatCompletionRequest | CompletionRequest,
+) -> list[dict[str, Any]] | list[str] | list[list[int]]:
+    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role + text content, parts
+    as plain dicts). Completions: one entry per prompt, text or token ids (a flat id list is ONE
+    prompt). The route submits each completions prompt as its own engine request."""
+    if isinstance(req, ChatCompletionRequest):
+        return [
+            {
+                "role": m.role,
+                "content": m.content
+                if isinstance(m.content, str)
+                else [part.model_dump(include={"type", "text"}) for part in m.content or []],
+            }
+            for m in req.messages
+        ]
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [cast(list[int], list(prompt))]
+    return cast(list[str] | list[list[int]], list(prompt))
+
+
+def prediction_of(req: ChatCompletionRequest) -> str | None:
+    """The predicted output's text (text parts concatenated), or None."""
+    if req.prediction is None:
+        return None
+    content = req.prediction.content
+    return content if isinstance(content, str) else "".join(part.text for part in content)

@@ -1,0 +1,301 @@
+"""OpenAI request bodies (pydantic v2), in the order of the API documentation, then our extensions.
+
+Types are strict: an integer field takes only a JSON integer (not 1.0, "1" or true), a boolean
+only true/false, a number no NaN or infinity. Unknown fields are tolerated (`extra="allow"`) and
+listed by `unknown_fields` so that the route can log them. OpenAI parameters this server does not
+implement (tools, functions, JSON response formats, audio, suffix, echo, best_of > n) are rejected
+with a 400, never silently dropped. `parse_request` is the one validation path: any bad body
+leaves it as an `OpenAIError` 400 naming the offending field as `param`.
+
+Decisions: `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
+unsigned 64-bit range by two's complement (`seed % 2**64`), so distinct seeds stay distinct.
+`echo` is rejected (not implemented). Response bodies live in `server/responses.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from server.errors import from_validation_error, invalid_request
+from server.request_checks import (
+    check_logit_bias,
+    check_prompt,
+    check_stop,
+    check_text_parts,
+    fail,
+    reject_unsupported,
+)
+
+N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
+MAX_STOP_TOKEN_IDS = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# OpenAI parameters this server does not implement: any value but null is a 400.
+_UNSUPPORTED = (
+    "audio",
+    "function_call",
+    "functions",
+    "suffix",
+    "tool_choice",
+    "tools",
+    "web_search_options",
+)
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int | None, Field(ge=1)]
+Seed = Annotated[int | None, Field(ge=INT64_MIN, le=INT64_MAX)]
+Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float | None, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int | None, Field(ge=-1)]  # -1 or 0: disabled
+MinP = Annotated[float | None, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float | None, Field(gt=0.0, le=2.0)]
+MinTokens = Annotated[int | None, Field(ge=0)]
+StopTokenIds = Annotated[
+    list[Annotated[int, Field(ge=0)]] | None, Field(max_length=MAX_STOP_TOKEN_IDS)
+]
+
+
+class TextContentPart(BaseModel):
+    """`{"type": "text", "text": ...}`: the only content part this server reads."""
+
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+TextOrParts = Annotated[str | list[TextContentPart], BeforeValidator(check_text_parts)]
+Stop = Annotated[str | list[str] | None, BeforeValidator(check_stop)]
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(check_prompt)]
+
+
+class ChatMessage(BaseModel):
+    """One input message: system, developer, user or assistant, with text content."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    content: TextOrParts | None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _tool_roles(cls, role: Any) -> Any:
+        if role in ("tool", "function"):
+            raise fail(f"role {role!r} is not supported (no tool calling)", "unsupported_value")
+        return role
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_unsupported(value, info)
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None:
+            raise fail(f"{info.data.get('role', 'message')} content must be text")
+        return content
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: only valid with `stream: true`."""
+
+    model_config = _STRICT
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class Prediction(BaseModel):
+    """Predicted Outputs: the client's guess of the output, a draft source for speculation."""
+
+    model_config = _STRICT
+    type: Literal["content"]
+    content: TextOrParts
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: only `{"type": "text"}`; structured output is not implemented."""
+
+    model_config = _STRICT
+    type: Literal["text"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _structured(cls, kind: Any) -> Any:
+        if kind in ("json_object", "json_schema"):
+            raise fail(f"response_format {kind!r} is not supported", "unsupported_value")
+        return kind
+
+
+class SpeculationOptions(BaseModel):
+    """specserve extension: per-request control of speculative decoding."""
+
+    model_config = _STRICT
+    enabled: bool = True
+    max_draft_tokens: Annotated[int | None, Field(ge=0)] = None
+
+
+class _RequestBase(BaseModel):
+    """Checks shared by both endpoints; they apply to the fields each subclass declares."""
+
+    model_config = _STRICT
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return check_logit_bias(bias)
+
+    @field_validator("n", check_fields=False)
+    @classmethod
+    def _n_max(cls, n: int | None) -> int | None:
+        if n is not None and n > N_MAX:
+            raise fail(f"must be at most {N_MAX}")
+        return n
+
+    @field_validator(*_UNSUPPORTED, check_fields=False)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_unsupported(value, info)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _RequestBase:
+        if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", None):
+            raise fail("stream_options is only allowed with stream: true", param="stream_options")
+        return self
+
+
+class ChatCompletionRequest(_RequestBase):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: str
+    audio: Any = None
+    frequency_penalty: Penalty = None
+    function_call: Any = None
+    functions: Any = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    max_completion_tokens: PositiveInt = None
+    max_tokens: PositiveInt = None  # deprecated by OpenAI; max_completion_tokens wins
+    modalities: list[Literal["text"]] | None = None
+    n: PositiveInt = None
+    parallel_tool_calls: bool | None = None  # no effect: tools are rejected
+    prediction: Prediction | None = None
+    presence_penalty: Penalty = None
+    response_format: ResponseFormat | None = None
+    seed: Seed = None
+    stop: Stop = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = None
+    tool_choice: Any = None
+    tools: Any = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
+    top_p: TopP = None
+    user: str | None = None
+    web_search_options: Any = None
+
+    # --- specserve extensions (vLLM names) ---
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    min_tokens: MinTokens = None
+    ignore_eos: bool | None = None
+    stop_token_ids: StopTokenIds = None
+    skip_special_tokens: bool | None = None
+    speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise fail("top_logprobs requires logprobs: true", param="top_logprobs")
+        return self
+
+
+class CompletionRequest(_RequestBase):
+    """POST /v1/completions (legacy)."""
+
+    model: str
+    prompt: Prompt
+    best_of: Annotated[int | None, Field(ge=0, le=20)] = None
+    echo: bool | None = None
+    frequency_penalty: Penalty = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
+    max_tokens: PositiveInt = 16
+    n: PositiveInt = None
+    presence_penalty: Penalty = None
+    seed: Seed = None
+    stop: Stop = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    user: str | None = None
+
+    # --- specserve extensions (vLLM names) ---
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    min_tokens: MinTokens = None
+    ignore_eos: bool | None = None
+    stop_token_ids: StopTokenIds = None
+    skip_special_tokens: bool | None = None
+    speculation: SpeculationOptions | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise fail("echo is not supported", "unsupported_value")
+        return echo
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of not in (None, 1, self.n or 1):
+            message = "best_of is only supported when it equals n (or 1)"
+            raise fail(message, "unsupported_value", param="best_of")
+        return self
+
+
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+
+
+def parse_request(model: type[RequestT], body: bytes | str | Any) -> RequestT:
+    """Validate a raw body (bytes or str of JSON) or an already decoded one (`json.loads`
+    accepts NaN; the models reject it). Raises `OpenAIError` 400 for any problem."""
+    try:
+        if isinstance(body, (bytes, bytearray, str)):
+            return model.model_validate_json(body)
+        if not isinstance(body, Mapping):
+            raise invalid_request("The request body must be a JSON object.")
+        return model.model_validate(dict(body))
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def unknown_fields(obj: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields a client sent that the models do not know (for logging)."""
+    names = [f"{prefix}{name}" for name in obj.model_extra or {}]
+    for field in type(obj).model_fields:
+        value = getattr(obj, field)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{field}." if i is None else f"{prefix}{field}.{i}."
+                names.extend(unknown_fields(item, where))
+    return names

@@ -1,0 +1,304 @@
+"""Engine outputs -> OpenAI responses and stream chunks.
+
+Builders read the CUMULATIVE fields of `engine.outputs.CompletionOutput` (text, token_ids,
+logprobs) and keep their own count of what was already sent, so a stream stays exact even when
+the bridge skips or merges engine outputs. Logprob token strings come from a `TokenDecoder`
+(build one per model). An aborted completion (finish_reason "abort") has no OpenAI form: the
+builders raise ValueError for it, and the route answers with an error instead.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from server.responses import (
+    SYSTEM_FINGERPRINT,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionDelta,
+    ChatCompletionMessage,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionTokensDetails,
+    FinishReason,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from server.token_text import TextOffsets, TokenDecoder
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every response and chunk of one request repeats."""
+
+    id: str
+    model: str
+    created: int
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        """A fresh id ("chatcmpl" for chat, "cmpl" for completions) stamped with the time now."""
+        return cls(f"{prefix}-{uuid.uuid4().hex}", model, int(time.time()))
+
+
+def finish_reason_of(reason: str) -> FinishReason:
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    raise ValueError(f"finish reason {reason!r} has no OpenAI equivalent.")
+
+
+def usage_of(outputs: Sequence[RequestOutput]) -> Usage:
+    """Usage of one or more engine requests (several prompts of one completions call)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completions = [c for o in outputs for c in o.outputs]
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    stats = [c.spec_stats for c in completions if c.spec_stats is not None]
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in outputs)
+        ),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=sum(s.num_prediction_accepted for s in stats),
+            rejected_prediction_tokens=sum(s.num_prediction_rejected for s in stats),
+        ),
+    )
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], tokens: TokenDecoder) -> ChatChoiceLogprobs:
+    content = []
+    for e in entries:
+        top = [
+            TopLogprob(token=tokens.token_text(t), logprob=lp, bytes=list(tokens.token_bytes(t)))
+            for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=tokens.token_text(e.token_id),
+                logprob=e.logprob,
+                bytes=list(tokens.token_bytes(e.token_id)),
+                top_logprobs=top,
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], tokens: TokenDecoder, offsets: TextOffsets
+) -> CompletionLogprobs:
+    """Legacy logprobs; each position's top map also holds the sampled token, as OpenAI's does."""
+    top_maps = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for token_id, logprob in zip(e.top_token_ids, e.top_logprobs, strict=True):
+            top.setdefault(tokens.token_text(token_id), logprob)
+        top.setdefault(tokens.token_text(e.token_id), e.logprob)
+        top_maps.append(top)
+    return CompletionLogprobs(
+        tokens=[tokens.token_text(e.token_id) for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=top_maps,
+        text_offset=offsets.advance(e.token_id for e in entries),
+    )
+
+
+def build_chat_response(
+    meta: ResponseMeta, output: RequestOutput, tokens: TokenDecoder
+) -> ChatCompletionResponse:
+    """The body of a finished, non-streamed chat completion."""
+    choices = [
+        ChatCompletionChoice(
+            index=c.index,
+            message=ChatCompletionMessage(content=c.text),
+            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
+            finish_reason=finish_reason_of(c.finish_reason or "unfinished"),
+        )
+        for c in output.outputs
+    ]
+    return ChatCompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        system_fingerprint=meta.system_fingerprint,
+        choices=choices,
+        usage=usage_of([output]),
+    )
+
+
+def build_completion_response(
+    meta: ResponseMeta, outputs: Sequence[RequestOutput], tokens: TokenDecoder
+) -> CompletionResponse:
+    """The body of finished, non-streamed completions: outputs[p] is prompt p's request."""
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        for c in output.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = completion_logprobs(c.logprobs, tokens, TextOffsets(tokens))
+            choices.append(
+                CompletionChoice(
+                    index=prompt_index * len(output.outputs) + c.index,
+                    text=c.text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason_of(c.finish_reason or "unfinished"),
+                )
+            )
+    return CompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        system_fingerprint=meta.system_fingerprint,
+        choices=choices,
+        usage=usage_of(outputs),
+    )
+
+
+@dataclass
+class _Sent:
+    """How much of one choice a stream has sent."""
+
+    num_chars: int = 0
+    num_logprobs: int = 0
+    is_started: bool = False
+    is_finished: bool = False
+    offsets: TextOffsets | None = None
+
+    def new_text(self, c: CompletionOutput) -> str:
+        text = c.text[self.num_chars :]
+        self.num_chars = len(c.text)
+        return text
+
+    def new_logprobs(self, c: CompletionOutput) -> list[TokenLogprob]:
+        entries = (c.logprobs or [])[self.num_logprobs :]
+        self.num_logprobs += len(entries)
+        return entries
+
+
+@dataclass
+class _Stream:
+    meta: ResponseMeta
+    tokens: TokenDecoder
+    include_usage: bool = False
+    _sent: dict[int, _Sent] = field(default_factory=dict)
+    _last: dict[int, RequestOutput] = field(default_factory=dict)  # by prompt index
+
+    def _finish(self, sent: _Sent, c: CompletionOutput) -> FinishReason | None:
+        if c.finish_reason is None or sent.is_finished:
+            return None
+        sent.is_finished = True
+        return finish_reason_of(c.finish_reason)
+
+
+class ChatStream(_Stream):
+    """Chunks of one streamed chat completion: per choice a role chunk, content chunks, and a
+    final chunk with an empty delta and the finish reason; then `usage_chunk()`."""
+
+    def chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
+        self._last[0] = output
+        chunks = []
+        for c in output.outputs:
+            sent = self._sent.setdefault(c.index, _Sent())
+            if not sent.is_started:
+                sent.is_started = True
+                delta = ChatCompletionDelta(role="assistant", content="")
+                chunks.append(self._chunk(ChatCompletionStreamChoice(index=c.index, delta=delta)))
+            text, entries = sent.new_text(c), sent.new_logprobs(c)
+            if text or entries:
+                logprobs = None if c.logprobs is None else chat_logprobs(entries, self.tokens)
+                choice = ChatCompletionStreamChoice(
+                    index=c.index, delta=ChatCompletionDelta(content=text), logprobs=logprobs
+                )
+                chunks.append(self._chunk(choice))
+            reason = self._finish(sent, c)
+            if reason is not None:
+                choice = ChatCompletionStreamChoice(
+                    index=c.index, delta=ChatCompletionDelta(), finish_reason=reason
+                )
+                chunks.append(self._chunk(choice))
+        return chunks
+
+    def usage_chunk(self) -> ChatCompletionChunk | None:
+        """The last chunk when the client asked for usage: no choices, the whole usage."""
+        if not self.include_usage:
+            return None
+        return self._chunk(None, usage_of(list(self._last.values())))
+
+    def _chunk(
+        self, choice: ChatCompletionStreamChoice | None, usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        m = self.meta
+        choices = [] if choice is None else [choice]
+        return ChatCompletionChunk(
+            id=m.id,
+            created=m.created,
+            model=m.model,
+            system_fingerprint=m.system_fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class CompletionStream(_Stream):
+    """Chunks of one streamed completions call; each prompt's engine request is fed with its
+    index. `n` (choices per prompt) numbers choices as prompt_index * n + index."""
+
+    def __init__(
+        self, meta: ResponseMeta, tokens: TokenDecoder, n: int = 1, include_usage: bool = False
+    ) -> None:
+        super().__init__(meta, tokens, include_usage)
+        self.n = n
+
+    def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[CompletionChunk]:
+        self._last[prompt_index] = output
+        chunks = []
+        for c in output.outputs:
+            index = prompt_index * self.n + c.index
+            sent = self._sent.setdefault(index, _Sent(offsets=TextOffsets(self.tokens)))
+            text, entries = sent.new_text(c), sent.new_logprobs(c)
+            reason = self._finish(sent, c)
+            if not (text or entries or reason):
+                continue
+            logprobs = None
+            if c.logprobs is not None and sent.offsets is not None:
+                logprobs = completion_logprobs(entries, self.tokens, sent.offsets)
+            choice = CompletionStreamChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=reason
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> CompletionChunk | None:
+        """The last chunk when the client asked for usage: no choices, the whole usage."""
+        if not self.include_usage:
+            return None
+        return self._chunk([], usage_of([self._last[p] for p in sorted(self._last)]))
+
+    def _chunk(
+        self, choices: list[CompletionStreamChoice], usage: Usage | None = None
+    ) -> CompletionChunk:
+        m = self.meta
+        return CompletionChunk(
+            id=m.id,
+            created=m.created,
+            model=m.model,
+            system_fingerprint=m.system_fingerprint,
+            choices=choices,
+            usage=usage,
+        )
