@@ -76,9 +76,10 @@ METHODS = {
     "draft_model": {"method": "draft_model", "model": DRAFT},
     "ngram+draft_model": {"method": "ngram+draft_model", "model": DRAFT},
 }
-# Draft tokens per step by method: lookups are free to propose and cost only verify rows, a draft
-# model pays ~40% of a target step per token on this CPU (so a short window pays best).
-DEFAULT_K = {"ngram": 8, "draft_model": 3, "ngram+draft_model": 4}
+# Draft tokens per step by method: lookups are free to propose and cost only verify rows; a draft
+# model pays ~40% of a target step per token on this CPU, so its window is cut short wherever it
+# is unsure of its own token (draft_min_confidence, 0.6 by default).
+DEFAULT_K = {"ngram": 8, "draft_model": 5, "ngram+draft_model": 5}
 
 
 def run_specserve(prompts: dict[str, list[int]], tokens: int, ks: dict[str, int]) -> dict:
