@@ -95,9 +95,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] == 1:
         out = torch.mv(weight, x[0])
         return (out if bias is None else out + bias).unsqueeze(0)
+    # Contiguous like F.linear's output: fed the transposed layout, the CPU SDPA kernel gave
+    # wrong attention in bfloat16 (a real model's answer changed), so never hand it on.
     if bias is None:
-        return torch.mm(weight, x.t()).t()
-    return torch.addmm(bias.unsqueeze(1), weight, x.t()).t()
+        return torch.mm(weight, x.t()).t().contiguous()
+    return torch.addmm(bias.unsqueeze(1), weight, x.t()).t().contiguous()
 
 
 class Linear(nn.Linear):
