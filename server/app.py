@@ -1,0 +1,241 @@
+"""The FastAPI application: `create_app(settings)` builds one, with all of its state on `app.state`.
+
+Lifespan: at start-up the engine loads in a worker thread (GET /health answers 503 "loading"
+meanwhile) and its `AsyncEngine` loop starts; at shutdown (uvicorn's, e.g. on SIGTERM) admission
+stops, in-flight requests get up to `shutdown_timeout` seconds, and what is left is aborted.
+
+Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
+of `scope["path"]`, so nothing rebuilt from the Host header decides what is public), and the
+body-size limit (Content-Length up front, then the bytes actually received). Every error leaves
+as an OpenAI envelope; a 500 carries no exception text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.engine import LLMEngine
+from server.async_engine import AsyncEngine
+from server.errors import (
+    INVALID_REQUEST,
+    OpenAIError,
+    authentication_error,
+    internal_error,
+    invalid_request,
+    not_found,
+    request_too_large,
+)
+from server.metrics import new_registry
+from server.routes import ClientDisconnected, router, version
+from server.settings import Settings
+from server.token_text import TokenDecoder
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> FastAPI:
+    """The app serving `settings`. Given an (unstarted) `async_engine`, it serves that one
+    instead of loading `settings.model`; either way the lifespan starts and stops it."""
+    app = FastAPI(
+        title="specserve",
+        version=version(),
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    state = app.state
+    state.settings = settings
+    state.given_engine = async_engine
+    state.async_engine = None  # set once the engine serves
+    state.tokens = None  # the TokenDecoder of the served tokenizer
+    state.load_error = None
+    state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
+    state.created = int(time.time())
+    state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
+    app.include_router(router)
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_allow_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state = app.state
+    loader: asyncio.Future[None] | None = None
+    if state.given_engine is not None:
+        _serve(app, state.given_engine)
+    else:
+        loader = asyncio.ensure_future(_load_engine(app))
+    try:
+        yield
+    finally:
+        if loader is not None and not loader.done():
+            loader.cancel()  # the loading thread runs on, but its engine is never served
+            await asyncio.gather(loader, return_exceptions=True)
+        engine: AsyncEngine | None = state.async_engine
+        if engine is not None:
+            logger.info(
+                "shutting down: in-flight requests get %.0f s", state.settings.shutdown_timeout
+            )
+            await engine.shutdown(state.settings.shutdown_timeout)
+
+
+async def _load_engine(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    logger.info("loading %s", settings.model)
+    try:
+        engine = await asyncio.to_thread(LLMEngine, settings.engine_config())
+        _serve(app, AsyncEngine(engine, settings.max_queue))
+    except Exception as exc:
+        logger.exception("the engine failed to load")
+        app.state.load_error = exc
+        stop: Callable[[], None] | None = app.state.stop_server
+        if stop is not None:
+            stop()
+
+
+def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
+    tokenizer = async_engine.engine.tokenizer
+    app.state.tokens = TokenDecoder(tokenizer) if tokenizer is not None else None
+    async_engine.start()
+    app.state.async_engine = async_engine
+    logger.info("serving %s as %r", app.state.settings.model, app.state.settings.model_name)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(ClientDisconnect, _client_gone)  # gone while sending the body
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 404:
+        return error_response(not_found(f"No route {request.method} {request.url.path}."))
+    message = str(exc.detail) if exc.detail else "Request failed."
+    return error_response(
+        OpenAIError(exc.status_code, message, INVALID_REQUEST, headers=exc.headers)
+    )
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    return error_response(invalid_request("Invalid request."))
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it: the client has gone
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(internal_error())
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <api_key>` on every path but the public ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS):
+        self.app = app
+        self._key = api_key.encode()
+        self.public_paths = public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_open = scope["type"] == "lifespan" or scope["path"] in self.public_paths
+        if is_open or self._is_authorized(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            response = error_response(authentication_error())
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+
+    def _is_authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    return hmac.compare_digest(token.strip(), self._key)
+        return False
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: by its Content-Length before reading, and by the bytes
+    received (a chunked body has no length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check_length(scope)
+        if error is not None:
+            await error_response(error)(scope, receive, send)
+            return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self.max_bytes:
+                    raise request_too_large(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _check_length(self, scope: Scope) -> OpenAIError | None:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    return invalid_request("Invalid Content-Length header.")
+                if length > self.max_bytes:
+                    return request_too_large(self.max_bytes)
+        return None

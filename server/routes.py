@@ -1,0 +1,268 @@
+"""The HTTP routes: validate, hand the request to the engine, answer with JSON or an SSE stream.
+
+Every failure before a response starts is an `OpenAIError` (one handler in `server/app.py` turns
+it into the envelope): a bad body 400, another model 404, a full queue 429, an engine that does
+not serve 503. The engine's own checks (prompt too long, max_tokens beyond the context, token ids
+outside the vocabulary) surface on the first output, which is awaited before a stream starts.
+A client that goes away while its request waits or runs aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.types import Receive
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+from server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from server.engine_inputs import prediction_of, prompt_of, to_sampling_params
+from server.errors import (
+    from_value_error,
+    invalid_request,
+    model_not_found,
+    server_overloaded,
+)
+from server.metrics import CONTENT_TYPE, read_snapshot, render
+from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, unknown_fields
+from server.response_builders import (
+    ChatStream,
+    CompletionStream,
+    ResponseMeta,
+    build_chat_response,
+    build_completion_response,
+)
+from server.responses import ModelCard, ModelList
+from server.streaming import (
+    EngineStreams,
+    SSEResponse,
+    TokenSplitter,
+    aborted_error,
+    chat_events,
+    completion_events,
+    engine_unavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+T = TypeVar("T")
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+RETRY_AFTER_S = 1.0
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+# --------------------------------------------------------------------------- public routes
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine serves; 503 while it loads, after it failed, or while stopping."""
+    state = request.app.state
+    engine: AsyncEngine | None = state.async_engine
+    if engine is not None and engine.is_ready:
+        return JSONResponse({"status": "ok"})
+    if state.load_error is not None:
+        status = "failed"
+    else:
+        status = "loading" if engine is None else "unavailable"
+    return JSONResponse({"status": status}, status_code=503)
+
+
+@router.get("/version")
+async def get_version() -> Response:
+    return JSONResponse({"version": version()})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = request.app.state
+    engine: AsyncEngine | None = state.async_engine
+    if engine is not None and engine.is_alive:
+        with contextlib.suppress(EngineDeadError):  # then export the last snapshot
+            state.metrics_collector.update(await engine.call(read_snapshot))
+    return Response(render(state.metrics_registry), media_type=CONTENT_TYPE)
+
+
+# --------------------------------------------------------------------------- OpenAI routes
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return _json(ModelList(data=[_model_card(request)]))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> Response:
+    if model_id != request.app.state.settings.model_name:
+        raise model_not_found(model_id)
+    return _json(_model_card(request))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = request.app.state
+    req = await _parse(request, ChatCompletionRequest)
+    engine = _serving_engine(request)
+    params = _sampling_params(req)
+    try:
+        prompt_ids = apply_chat_template(engine.engine.tokenizer, prompt_of(req))
+    except ValueError as e:
+        raise from_value_error(e, ChatCompletionRequest.model_fields) from None
+    meta = ResponseMeta.new("chatcmpl", state.settings.model_name)
+    streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction_of(req))
+    if req.stream:
+        builder = ChatStream(meta, state.tokens, _include_usage(req))
+        return SSEResponse(chat_events(streams, builder, _splitter(request)))
+    (output,) = await _final(request, streams)
+    return _json(build_chat_response(meta, output, state.tokens))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = request.app.state
+    req = await _parse(request, CompletionRequest)
+    engine = _serving_engine(request)
+    params = _sampling_params(req)
+    prompts = prompt_of(req)
+    meta = ResponseMeta.new("cmpl", state.settings.model_name)
+    ids = [meta.id] if len(prompts) == 1 else [f"{meta.id}-{i}" for i in range(len(prompts))]
+    streams = await _open(request, engine, ids, prompts, params, None)
+    if req.stream:
+        builder = CompletionStream(meta, state.tokens, params.n, _include_usage(req))
+        return SSEResponse(completion_events(streams, builder, _splitter(request)))
+    outputs = await _final(request, streams)
+    return _json(build_completion_response(meta, outputs, state.tokens))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+async def _parse(request: Request, model: type[RequestT]) -> RequestT:
+    """The validated body: JSON object of the endpoint's schema, for the served model."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        message = f"Content-Type must be application/json, got {content_type!r}."
+        raise invalid_request(message, code="invalid_content_type")
+    req = parse_request(model, await request.body())
+    if req.model != request.app.state.settings.model_name:
+        raise model_not_found(req.model)
+    extra = unknown_fields(req)
+    if extra:
+        logger.info("%s: ignoring unknown fields %s", request.url.path, ", ".join(extra))
+    return req
+
+
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def _serving_engine(request: Request) -> AsyncEngine:
+    engine: AsyncEngine | None = request.app.state.async_engine
+    if engine is None or not engine.is_ready:
+        raise engine_unavailable()
+    return engine
+
+
+def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    try:
+        return to_sampling_params(req, default_max_tokens=None)
+    except ValueError as e:
+        raise from_value_error(e, type(req).model_fields) from None
+
+
+def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options is not None and req.stream_options.include_usage)
+
+
+def _splitter(request: Request) -> TokenSplitter | None:
+    state = request.app.state
+    return TokenSplitter(state.tokens) if state.settings.stream_one_token_per_chunk else None
+
+
+async def _open(
+    request: Request,
+    engine: AsyncEngine,
+    request_ids: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
+    params: SamplingParams,
+    prediction: str | None,
+) -> EngineStreams:
+    """Submit the engine requests and wait for their first outputs (or the client leaving)."""
+    try:
+        return await _unless_disconnected(
+            request.receive, EngineStreams.open(engine, request_ids, prompts, params, prediction)
+        )
+    except ValueError as e:
+        known = ("prompt", "messages", "max_tokens", "max_completion_tokens", "logit_bias")
+        raise from_value_error(e, known) from None
+    except QueueFullError:
+        error = server_overloaded(RETRY_AFTER_S)
+        error.headers["x-should-retry"] = "true"
+        raise error from None
+    except EngineDeadError:
+        raise engine_unavailable() from None
+
+
+async def _final(request: Request, streams: EngineStreams) -> list[RequestOutput]:
+    """Every prompt's finished output; aborts the requests if the client goes away first."""
+    try:
+        outputs = await _unless_disconnected(request.receive, streams.final())
+    except EngineDeadError:
+        raise engine_unavailable() from None
+    finally:
+        await streams.aclose()
+    if any(c.finish_reason == "abort" for output in outputs for c in output.outputs):
+        raise aborted_error()
+    return outputs
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (the body is already read,
+    so the next ASGI message can only be the disconnect)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _model_card(request: Request) -> ModelCard:
+    state = request.app.state
+    return ModelCard(id=state.settings.model_name, created=state.created)
+
+
+def _json(body: BaseModel, status: int = 200) -> Response:
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")

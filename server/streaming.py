@@ -1,0 +1,279 @@
+"""Engine output streams of one HTTP request, and their server-sent events.
+
+`EngineStreams.open` submits one engine request per prompt and waits for the first output of
+each, so that everything the engine rejects (prompt too long, queue full...) surfaces as an
+exception BEFORE a response starts; afterwards `outputs()` merges the streams in arrival order.
+Closing it (or cancelling the task that reads it) closes every `AsyncEngine.generate` iterator,
+which aborts the requests still running and frees their blocks.
+
+Events follow OpenAI: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last; an error after the
+stream started is sent as `data: {"error": {...}}` before `[DONE]`. `SSEResponse` closes its
+event iterator however the response ends (finished, client gone, task cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from server.async_engine import AsyncEngine, EngineDeadError
+from server.errors import SERVER_ERROR, OpenAIError, internal_error
+from server.response_builders import ChatStream, CompletionStream
+from server.token_text import TokenDecoder
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class RequestAborted(RuntimeError):
+    """The engine aborted a request the client still waits for (shutdown or an admin abort)."""
+
+
+def engine_unavailable() -> OpenAIError:
+    """503 for an engine that is loading, shutting down or dead (no internals in the message)."""
+    message = "The engine is not serving requests right now (loading or shutting down)."
+    return OpenAIError(503, message, SERVER_ERROR, None, "engine_unavailable", {"Retry-After": "5"})
+
+
+def aborted_error() -> OpenAIError:
+    return OpenAIError(503, "The request was aborted by the server.", SERVER_ERROR, None, "aborted")
+
+
+def check_not_aborted(output: RequestOutput) -> None:
+    if any(c.finish_reason == "abort" for c in output.outputs):
+        raise RequestAborted(output.request_id)
+
+
+class EngineStreams:
+    """The engine requests of one HTTP request (one per prompt), opened together, read merged."""
+
+    def __init__(self, iterators: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]):
+        self._iterators = iterators
+        self._firsts = firsts
+        self._pending: dict[asyncio.Future[RequestOutput], int] = {}
+        self._closing: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        engine: AsyncEngine,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        prediction: str | None = None,
+    ) -> EngineStreams:
+        """Submit every prompt and await each one's first output. Raises what `generate` raises
+        (ValueError, QueueFullError, EngineDeadError) after aborting the others."""
+        iterators = [
+            engine.generate(rid, prompt, params, prediction)
+            for rid, prompt in zip(request_ids, prompts, strict=True)
+        ]
+        firsts = [asyncio.ensure_future(it.__anext__()) for it in iterators]
+        try:
+            outputs = await asyncio.gather(*firsts)
+        except BaseException:
+            for task in firsts:
+                task.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            await _close_all(iterators)
+            raise
+        return cls(iterators, list(outputs))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) in arrival order; each prompt's finished output is its last."""
+        for index, output in enumerate(self._firsts):
+            yield index, output
+            if not output.finished:
+                self._pending[asyncio.ensure_future(self._iterators[index].__anext__())] = index
+        while self._pending:
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=self._pending.__getitem__):
+                index = self._pending.pop(task)
+                output = task.result()  # never StopAsyncIteration: we stop at the finished one
+                yield index, output
+                if not output.finished:
+                    future = asyncio.ensure_future(self._iterators[index].__anext__())
+                    self._pending[future] = index
+
+    async def final(self) -> list[RequestOutput]:
+        """Read to the end; the last output of each prompt, in prompt order."""
+        last = list(self._firsts)
+        async for index, output in self.outputs():
+            last[index] = output
+        return last
+
+    async def aclose(self) -> None:
+        """Stop reading: requests still running are aborted. Safe to call more than once.
+
+        The closing runs in a shielded task: a caller cancelled again while it waits (anyio
+        cancels at every await inside a cancelled scope) must not leave a request running."""
+        if self._closing is None:
+            pending = list(self._pending)
+            self._pending.clear()
+            for task in pending:
+                task.cancel()
+            self._closing = asyncio.ensure_future(self._close(pending))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, pending: list[asyncio.Future[RequestOutput]]) -> None:
+        await asyncio.gather(*pending, return_exceptions=True)
+        await _close_all(self._iterators)
+
+
+async def _close_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
+    for it in iterators:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+class TokenSplitter:
+    """Splits an output whose step added several tokens to a choice into one snapshot per token.
+
+    Intermediate texts come from the tokens' own bytes (a character split across tokens waits
+    for its last byte) and are clipped to a prefix of the step's final text, so stop strings and
+    skipped special tokens never show; the step's real output is always the last snapshot."""
+
+    def __init__(self, tokens: TokenDecoder) -> None:
+        self._tokens = tokens
+        self._seen: dict[tuple[int, int], tuple[int, str]] = {}  # (prompt, choice): tokens, text
+
+    def split(self, output: RequestOutput, prompt_index: int = 0) -> list[RequestOutput]:
+        seen = [self._seen.get((prompt_index, c.index), (0, "")) for c in output.outputs]
+        num_new = [len(c.token_ids) - n for c, (n, _) in zip(output.outputs, seen, strict=True)]
+        for c in output.outputs:
+            self._seen[(prompt_index, c.index)] = (len(c.token_ids), c.text)
+        steps = max(num_new, default=0)
+        if steps <= 1:
+            return [output]
+        snapshots = []
+        for j in range(1, steps):
+            outputs = [
+                self._partial(c, s, j) if k > j else c
+                for c, s, k in zip(output.outputs, seen, num_new, strict=True)
+            ]
+            snapshots.append(replace(output, outputs=outputs, finished=False))
+        snapshots.append(output)
+        return snapshots
+
+    def _partial(self, c: CompletionOutput, seen: tuple[int, str], j: int) -> CompletionOutput:
+        num_seen, text_seen = seen
+        new_ids = c.token_ids[num_seen : num_seen + j]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = text_seen + decoder.decode(b"".join(self._tokens.token_bytes(t) for t in new_ids))
+        return replace(
+            c,
+            text=_common_prefix(text, c.text),
+            token_ids=c.token_ids[: num_seen + j],
+            logprobs=None if c.logprobs is None else c.logprobs[: num_seen + j],
+            finish_reason=None,
+            stop_reason=None,
+            new_text="",
+            new_token_ids=new_ids[-1:],
+        )
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def sse(chunk: BaseModel, include_usage: bool) -> bytes:
+    """One event. Without include_usage the `usage` key is left out, as OpenAI does."""
+    exclude = None if include_usage else {"usage"}
+    return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+
+def error_event(exc: BaseException, request_id: str) -> bytes:
+    """The event that ends a stream that failed after it started."""
+    if isinstance(exc, EngineDeadError):
+        body: dict[str, Any] = engine_unavailable().body()
+    elif isinstance(exc, RequestAborted):
+        body = aborted_error().body()
+    elif isinstance(exc, OpenAIError):
+        body = exc.body()
+    else:
+        logger.error("stream %s failed", request_id, exc_info=exc)
+        body = internal_error(request_id).body()
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def chat_events(
+    streams: EngineStreams, builder: ChatStream, splitter: TokenSplitter | None
+) -> AsyncIterator[bytes]:
+    """The events of a streamed chat completion (one prompt)."""
+    try:
+        async for _, output in streams.outputs():
+            check_not_aborted(output)
+            for piece in splitter.split(output) if splitter else [output]:
+                for chunk in builder.chunks(piece):
+                    yield sse(chunk, builder.include_usage)
+        usage = builder.usage_chunk()
+        if usage is not None:
+            yield sse(usage, True)
+    except Exception as exc:
+        yield error_event(exc, builder.meta.id)
+    finally:
+        await streams.aclose()
+    yield DONE
+
+
+async def completion_events(
+    streams: EngineStreams, builder: CompletionStream, splitter: TokenSplitter | None
+) -> AsyncIterator[bytes]:
+    """The events of a streamed completions call; several prompts interleave."""
+    try:
+        async for index, output in streams.outputs():
+            check_not_aborted(output)
+            for piece in splitter.split(output, index) if splitter else [output]:
+                for chunk in builder.chunks(piece, index):
+                    yield sse(chunk, builder.include_usage)
+        usage = builder.usage_chunk()
+        if usage is not None:
+            yield sse(usage, True)
+    except Exception as exc:
+        yield error_event(exc, builder.meta.id)
+    finally:
+        await streams.aclose()
+    yield DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A `text/event-stream` response whose event iterator is closed however it ends.
+
+    Starlette cancels the sending task when the client disconnects; an iterator suspended at a
+    `yield` would then only be finalized by the garbage collector. Closing it here runs its
+    `finally` at once, which aborts the engine requests."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, headers=SSE_HEADERS)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()

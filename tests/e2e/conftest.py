@@ -1,0 +1,158 @@
+"""End-to-end fixtures: a tiny random-weight Llama that has a real tokenizer and chat template,
+and real uvicorn servers on free loopback ports, each in a background thread.
+
+The tokenizer is the bundled SmolLM2 conversion's (vocabulary 49152, eos id 2, ChatML template);
+the model is one layer of width 32 over that vocabulary, so a step takes about a millisecond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from engine.engine import LLMEngine
+from server.async_engine import AsyncEngine
+from tests.conftest import build_tiny_model
+
+T = TypeVar("T")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+STARTUP_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """A 1-layer, width-32 Llama with SmolLM2's tokenizer and chat template (eos id 2)."""
+    from engine.models.bundled import resolve_model
+
+    try:
+        source = Path(resolve_model("smollm2-135m-instruct"))
+    except Exception as e:  # not installed: `specserve install-model smollm2-135m-instruct`
+        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-chat"),
+        "llama",
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+    )
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path
+
+
+@dataclass
+class LiveServer:
+    """A uvicorn server running `app` in a thread; `base_url` has no trailing slash."""
+
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        return self.app.state.async_engine
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread (between steps) and return its result."""
+        return asyncio.run(asyncio.wait_for(self.async_engine.call(fn), 30))
+
+
+@contextmanager
+def live_server(app: FastAPI, wait: bool = True) -> Iterator[LiveServer]:
+    """Serve `app` on a free loopback port until the block ends; `wait`: until /health is 200."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = LiveServer(app, server, thread, port)
+    try:
+        if wait:
+            wait_healthy(live.base_url, thread)
+        else:
+            _wait_listening(live.base_url, thread)
+        yield live
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_healthy(base_url: str, thread: threading.Thread | None = None) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the server thread exited during start-up")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{base_url} did not become healthy in {STARTUP_TIMEOUT_S} s")
+
+
+def _wait_listening(base_url: str, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            httpx.get(f"{base_url}/health", timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{base_url} is not listening")
+
+
+def engine_state(engine: LLMEngine) -> dict[str, Any]:
+    """What an idle engine must show: nothing running or waiting, no block in use."""
+    engine.block_manager.check_integrity()
+    return {
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "used_blocks": engine.block_manager.num_used_blocks,
+        "unfinished": engine.num_unfinished_requests,
+    }
+
+
+IDLE = {"running": 0, "waiting": 0, "used_blocks": 0, "unfinished": 0}
+
+
+def wait_idle(live: LiveServer, timeout_s: float = 20.0) -> dict[str, Any]:
+    """The engine state once it is idle (or the last one seen when the timeout passes)."""
+    deadline = time.monotonic() + timeout_s
+    state = live.call(engine_state)
+    while state != IDLE and time.monotonic() < deadline:
+        time.sleep(0.02)
+        state = live.call(engine_state)
+    return state
