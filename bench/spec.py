@@ -151,7 +151,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
     for method, k in DEFAULT_K.items():
-        parser.add_argument(f"--k-{method.replace('+', '-').replace('_', '-')}", type=int, default=k)
+        parser.add_argument(
+            f"--k-{method.replace('+', '-').replace('_', '-')}", type=int, default=k
+        )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()

@@ -17,6 +17,7 @@ from typing import Any
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.models.bundled import resolve_model
 from engine.output_processor import RequestGroup, append_tokens, new_group
 from engine.outputs import RequestOutput
@@ -87,16 +88,20 @@ class LLMEngine:
         """Token ids for a prompt given as text or as ids; validates ids against the vocab."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids.")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: pass prompts as token ids.", "prompt"
+                )
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
-            raise ValueError("the prompt is empty.")
+            raise InvalidRequestError("the prompt is empty.", "prompt")
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab}).")
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary (size {vocab}).", "prompt"
+            )
         return token_ids
 
     def add_request(
@@ -143,16 +148,18 @@ class LLMEngine:
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt is {num_prompt_tokens} tokens; this model's context is "
-                f"{self.max_model_len} tokens, which leaves no room to generate."
+                f"{self.max_model_len} tokens, which leaves no room to generate.",
+                "prompt",
             )
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds this model's context of {self.max_model_len} tokens."
+                f"exceeds this model's context of {self.max_model_len} tokens.",
+                "max_tokens",
             )
         return params.max_tokens
 

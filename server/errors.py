@@ -118,13 +118,20 @@ def internal_error(request_id: str | None = None) -> OpenAIError:
     return OpenAIError(500, message, SERVER_ERROR, None, None)
 
 
-def from_value_error(exc: ValueError, known_params: Collection[str] = ()) -> OpenAIError:
+def from_value_error(
+    exc: ValueError, known_params: Collection[str] = (), aliases: Mapping[str, str] | None = None
+) -> OpenAIError:
     """400 from a `ValueError` raised by the engine or `to_sampling_params`.
 
-    Those messages start with the offending field ("n must be at least 1", "messages[0].role
-    must be ..."); when that first word names one of `known_params` it becomes `param`.
+    The engine's `InvalidRequestError` names its field (`param`, renamed through `aliases`, e.g.
+    the engine's "prompt" is a chat request's "messages"). Other messages start with the offending
+    field ("n must be at least 1", "messages[0].role must be ..."); when that first word names one
+    of `known_params` it becomes `param`.
     """
     message = str(exc) or "Invalid request."
+    named = getattr(exc, "param", None)
+    if named is not None:
+        return invalid_request(message, (aliases or {}).get(named, named))
     param = None
     match = _LEADING_PARAM.match(message)
     if match and re.split(r"[.\[]", match.group(1))[0] in known_params:

@@ -215,7 +215,8 @@ async def _open(
         )
     except ValueError as e:
         known = ("prompt", "messages", "max_tokens", "max_completion_tokens", "logit_bias")
-        raise from_value_error(e, known) from None
+        aliases = {"prompt": "messages"} if request.url.path.endswith("/chat/completions") else {}
+        raise from_value_error(e, known, aliases) from None
     except QueueFullError:
         error = server_overloaded(RETRY_AFTER_S)
         error.headers["x-should-retry"] = "true"

@@ -1,0 +1,295 @@
+"""Property-based conformance of the live server against the official OpenAI OpenAPI spec.
+
+Schemathesis generates request bodies for `createChatCompletion` and `createCompletion` from
+`openapi.yaml`, positive (valid per the spec) and negative (invalid), and sends them to a real
+uvicorn server over the tiny random-weight Llama. Checks: no 5xx, responses and their content
+types match the spec, and invalid bodies are rejected with a 4xx.
+
+What the spec is narrowed to, and why (each is a documented server choice, not a bug):
+- `model` is pinned to the served name (any other name is a 404 by design).
+- `stream` is forced to false and `stream_options` dropped: an SSE body is not JSON, and the
+  streaming path has its own spec-validated tests in test_server.py.
+- `max_tokens`, `max_completion_tokens` and `n` are capped to small values when the spec allows
+  the generated value, so generation stays fast; out-of-range values are sent unchanged.
+- Request properties the server does not read (e.g. `metadata`, `store`, `service_tier`, and in
+  messages `refusal`, `audio`, in text parts `prompt_cache_breakpoint`) are removed from the
+  request schemas: the server tolerates unknown fields without validating them (it logs them),
+  so an invalid value there is, by design, not rejected.
+Every edit of a generated body is revalidated by schemathesis, so a negative case that an edit
+made valid is relabelled positive rather than expected to fail.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from server.app import create_app
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TextContentPart,
+)
+from server.settings import Settings
+from tests.e2e.conftest import LiveServer, live_server
+from tests.unit.test_protocol import SPEC_PATH
+
+schemathesis = pytest.importorskip("schemathesis")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.core.failures import FailureGroup  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+)
+
+logger = logging.getLogger(__name__)
+MODEL = "tiny-schema"
+CASES_PER_RUN = 250  # per (operation, mode): 2 x 2 x 250 = 1,000 cases
+MAX_NEW_TOKENS = 4
+MAX_N = 2
+# The share of positive cases that must reach the engine (a 200). Most valid-per-spec bodies
+# are 400s by design: tool/function roles, image/audio/file parts, assistant messages without
+# content, empty prompts, negative token ids, integral floats (1.0) for integer fields.
+MIN_POSITIVE_OK = 0.04  # observed: 9-21%, depending on the seed
+CHECKS = [
+    not_a_server_error,
+    response_schema_conformance,
+    content_type_conformance,
+    negative_data_rejection,
+]
+# Nested request schemas -> the model that reads them (other properties are not read).
+NESTED_MODELS = {
+    "ChatCompletionRequestDeveloperMessage": ChatMessage,
+    "ChatCompletionRequestSystemMessage": ChatMessage,
+    "ChatCompletionRequestUserMessage": ChatMessage,
+    "ChatCompletionRequestAssistantMessage": ChatMessage,
+    "ChatCompletionRequestMessageContentPartText": TextContentPart,
+}
+# operationId -> (path, our request model: fields it does not declare are not read).
+OPERATIONS = {
+    "createChatCompletion": ("/chat/completions", ChatCompletionRequest),
+    "createCompletion": ("/completions", CompletionRequest),
+}
+
+
+def _refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"].rsplit("/", 1)[-1]
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _refs(item)
+
+
+def _flat_request_schema(schema: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
+    """Merge a request schema's top-level `allOf` (recursively) into one object schema."""
+    if "$ref" in schema:
+        schema = schemas[schema["$ref"].rsplit("/", 1)[-1]]
+    merged: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+    for part in schema.get("allOf", []):
+        flat = _flat_request_schema(part, schemas)
+        merged["properties"].update(flat["properties"])
+        merged["required"] += flat["required"]
+    merged["properties"].update(copy.deepcopy(schema.get("properties", {})))
+    merged["required"] += schema.get("required", [])
+    return merged
+
+
+def _drop_unread(schema: dict[str, Any], model: Any, dropped: list[str]) -> dict[str, Any]:
+    """A copy of an object schema (or of each `allOf` part) without the properties `model`
+    does not declare; their names are appended to `dropped`."""
+    schema = copy.deepcopy(schema)
+    for part in schema.get("allOf", [schema]):
+        for name in sorted(set(part.get("properties", {})) - set(model.model_fields)):
+            del part["properties"][name]
+            dropped.append(name)
+        if "required" in part:
+            part["required"] = [name for name in part["required"] if name in model.model_fields]
+    return schema
+
+
+def _reachable(components: dict[str, Any], root: Any) -> dict[str, set[str]]:
+    """The names of the components `root` references, transitively, per section."""
+    kept: dict[str, set[str]] = {"schemas": set(), "responses": set()}
+    todo = list(_refs(root))
+    while todo:
+        name = todo.pop()
+        for section, names in kept.items():
+            if name in components.get(section, {}) and name not in names:
+                names.add(name)
+                todo.extend(_refs(components[section][name]))
+    return kept
+
+
+def strip_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The spec cut to the two operations and the components they reach, with the request
+    schemas cut to the fields the server reads. Returns (spec, dropped names per schema)."""
+    components = spec["components"]
+    paths: dict[str, Any] = {}
+    dropped: dict[str, list[str]] = {}
+    for operation_id, (path, request_model) in OPERATIONS.items():
+        operation = copy.deepcopy(spec["paths"][path]["post"])
+        operation.pop("x-oaiMeta", None)
+        body = operation["requestBody"]["content"]["application/json"]
+        flat = _flat_request_schema(body["schema"], components["schemas"])
+        body["schema"] = _drop_unread(flat, request_model, dropped.setdefault(operation_id, []))
+        paths[path] = {"post": operation}
+    kept = _reachable(components, paths)
+    stripped_components = {
+        section: {name: components[section][name] for name in sorted(names)}
+        for section, names in kept.items()
+    }
+    schemas = stripped_components["schemas"]
+    for name, model in NESTED_MODELS.items():
+        if name in schemas:
+            schemas[name] = _drop_unread(schemas[name], model, dropped.setdefault(name, []))
+    stripped = {"openapi": spec["openapi"], "info": spec["info"], "paths": paths}
+    return {**stripped, "components": stripped_components}, dropped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hypothesis_home(tmp_path_factory) -> Iterator[None]:
+    # Hypothesis caches (constants, unicode tables) go to a tmp dir, not `.hypothesis/` in the repo.
+    set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
+    yield
+    set_hypothesis_home_dir(None)
+
+
+@pytest.fixture(scope="module")
+def stripped_spec() -> tuple[dict[str, Any], dict[str, list[str]]]:
+    if not SPEC_PATH.is_file():
+        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with SPEC_PATH.open(encoding="utf-8") as f:
+        return strip_spec(yaml.load(f, Loader=loader))
+
+
+@pytest.fixture(scope="module")
+def api_schema(stripped_spec) -> Any:
+    return schemathesis.openapi.from_dict(stripped_spec[0])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: Path) -> Iterator[LiveServer]:
+    settings = Settings(
+        model=str(tiny_chat_model),
+        served_model_name=MODEL,
+        dtype="float32",
+        max_model_len=512,
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        max_body_bytes=256 * 1024,
+        log_level="warning",
+    )
+    with live_server(create_app(settings)) as live:
+        yield live
+
+
+def _cap(body: dict[str, Any], name: str, low: int, high: int) -> None:
+    # Only an in-range integer is capped: a value the spec forbids is sent as generated.
+    value = body.get(name)
+    if type(value) is int and value >= low:
+        body[name] = min(value, high)
+
+
+def prepare(case: Any) -> Any:
+    """Pin the model, force non-streaming and keep generation short (see the module docstring)."""
+    body = case.body
+    if not isinstance(body, dict):
+        return case
+    body = copy.deepcopy(body)
+    if isinstance(body.get("model"), str):
+        body["model"] = MODEL
+    if type(body.get("stream")) is bool:
+        body["stream"] = False
+    body.pop("stream_options", None)
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = MAX_NEW_TOKENS  # chat's default is the rest of the context
+    _cap(body, "max_tokens", 1, MAX_NEW_TOKENS)
+    _cap(body, "max_completion_tokens", 1, MAX_NEW_TOKENS)
+    _cap(body, "n", 1, MAX_N)
+    case.body = body
+    return case
+
+
+def test_spec_is_stripped_to_served_fields(stripped_spec) -> None:
+    spec, dropped = stripped_spec
+    assert sorted(spec["paths"]) == ["/chat/completions", "/completions"]
+    chat = spec["paths"]["/chat/completions"]["post"]["requestBody"]["content"]
+    properties = chat["application/json"]["schema"]["properties"]
+    assert {"model", "messages", "max_completion_tokens", "temperature"} <= set(properties)
+    assert "metadata" in dropped["createChatCompletion"]
+    assert not set(dropped["createChatCompletion"]) & set(ChatCompletionRequest.model_fields)
+    assert "prompt_cache_breakpoint" in dropped["ChatCompletionRequestMessageContentPartText"]
+    assert not set(dropped["ChatCompletionRequestUserMessage"]) & set(ChatMessage.model_fields)
+    assert "CreateChatCompletionResponse" in spec["components"]["schemas"]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("operation_id", sorted(OPERATIONS))
+def test_conforms_to_openapi(api_schema, server: LiveServer, operation_id: str, mode) -> None:
+    operation = api_schema[OPERATIONS[operation_id][0]]["POST"]
+    strategy = operation.as_strategy(generation_mode=mode).map(prepare)
+    statuses: collections.Counter[int] = collections.Counter()
+    failures: list[str] = []
+    reasons: collections.Counter[str] = collections.Counter()
+
+    @settings(
+        max_examples=CASES_PER_RUN,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[hypothesis.Phase.generate],  # no shrinking: every case counts, failures listed
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def run(case: Any) -> None:
+        try:
+            response = case.call_and_validate(
+                base_url=f"{server.base_url}/v1", checks=CHECKS, timeout=30
+            )
+        except FailureGroup as e:
+            body = json.dumps(case.body, default=str)[:600]
+            failures.append(f"{e}\nBODY: {body}")
+            return
+        statuses[response.status_code] += 1
+        if response.status_code == 200 and mode == GenerationMode.NEGATIVE:
+            relabelled = case.meta.generation.mode if case.meta else None
+            logger.info("negative case accepted (now %s): %s", relabelled, case.body)
+        if response.status_code == 400 and mode == GenerationMode.POSITIVE:
+            reasons[response.json()["error"]["message"][:70]] += 1
+
+    started = time.monotonic()
+    run()
+    elapsed = time.monotonic() - started
+    num_cases = sum(statuses.values()) + len(failures)
+    summary = f"{operation_id} {mode}: {num_cases} cases in {elapsed:.1f} s, {dict(statuses)}"
+    logger.info("%s; 400s on positive cases: %s", summary, reasons.most_common(10))
+    assert not failures, f"{summary}\n{len(failures)} failures:\n" + "\n---\n".join(failures[:5])
+    assert num_cases == CASES_PER_RUN, summary
+    assert not any(status >= 500 for status in statuses), summary
+    if mode == GenerationMode.POSITIVE:
+        assert statuses[200] >= MIN_POSITIVE_OK * num_cases, summary
+    else:
+        # A few negative cases become valid through `prepare` (schemathesis relabels them).
+        assert sum(n for status, n in statuses.items() if 400 <= status < 500) >= 0.9 * num_cases
