@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.spec.proposer import Draft
+from engine.spec.proposer import Draft, LookupProposer
 
 NgramIndex = dict[tuple[int, ...], int]
 
@@ -51,7 +51,7 @@ class _NgramState:
     tail_token_ids: tuple[int, ...] = field(default_factory=tuple)  # last indexed tokens
 
 
-class NgramProposer:
+class NgramProposer(LookupProposer):
     """Prompt lookup decoding over the request's own prompt and output tokens."""
 
     name = "ngram"
@@ -64,26 +64,8 @@ class NgramProposer:
             )
         self.prompt_lookup_max = prompt_lookup_max
         self.prompt_lookup_min = prompt_lookup_min
+        super().__init__()
         self._states: dict[str, _NgramState] = {}
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._states)
-
-    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
-        """Nothing to do: the index catches up lazily in propose."""
-
-    def propose(
-        self, requests: Sequence[Request], max_lengths: Sequence[int]
-    ) -> list[Draft | None]:
-        assert len(requests) == len(max_lengths)
-        return [self._propose_one(r, k) for r, k in zip(requests, max_lengths, strict=True)]
-
-    def num_kv_tokens(self, request: Request) -> int | None:
-        return None  # no KV of its own
-
-    def free(self, request: Request) -> None:
-        self._states.pop(request.request_id, None)
 
     def _propose_one(self, request: Request, max_length: int) -> Draft | None:
         if max_length <= 0:

@@ -21,11 +21,10 @@ re-synchronisation, so requests whose output never leaves the prediction never p
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
-from engine.spec.proposer import Draft
+from engine.spec.proposer import Draft, LookupProposer
 
 # A very common min_match_len-gram in a long prediction can have hundreds of occurrences; the
 # candidates nearest the pointer are the likely ones, so the scan stops after this many.
@@ -44,7 +43,7 @@ class _PredictionState:
     occurrences: dict[tuple[int, ...], list[int]] | None = None  # built at the first resync
 
 
-class PredictionProposer:
+class PredictionProposer(LookupProposer):
     """Drafts the next tokens of the request's predicted output (OpenAI `prediction`)."""
 
     name = "prediction"
@@ -57,26 +56,8 @@ class PredictionProposer:
             )
         self.max_match_len = max_match_len
         self.min_match_len = min_match_len
+        super().__init__()
         self._states: dict[str, _PredictionState] = {}
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._states)
-
-    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
-        """Nothing to do: the walk catches up lazily in propose."""
-
-    def propose(
-        self, requests: Sequence[Request], max_lengths: Sequence[int]
-    ) -> list[Draft | None]:
-        assert len(requests) == len(max_lengths)
-        return [self._propose_one(r, k) for r, k in zip(requests, max_lengths, strict=True)]
-
-    def num_kv_tokens(self, request: Request) -> int | None:
-        return None  # no KV of its own
-
-    def free(self, request: Request) -> None:
-        self._states.pop(request.request_id, None)
 
     def pointer(self, request: Request) -> int | None:
         """The request's position in its prediction, or None while it is out of sync."""

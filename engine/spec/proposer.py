@@ -59,6 +59,37 @@ class Proposer(Protocol):
         ...
 
 
+class LookupProposer:
+    """Base of proposers that draft one request at a time from per-request state, catch up
+    lazily when asked, and keep no KV (n-gram lookup, predicted outputs)."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self._states: dict[str, Any] = {}
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._states)
+
+    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
+        """Nothing to do: the state catches up lazily in propose."""
+
+    def propose(
+        self, requests: Sequence[Request], max_lengths: Sequence[int]
+    ) -> list[Draft | None]:
+        return [self._propose_one(r, k) for r, k in zip(requests, max_lengths, strict=True)]
+
+    def num_kv_tokens(self, request: Request) -> int | None:
+        return None  # no KV of its own
+
+    def free(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)
+
+    def _propose_one(self, request: Request, max_length: int) -> Draft | None:
+        raise NotImplementedError
+
+
 ProposerFactory = Callable[..., Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {}
 
