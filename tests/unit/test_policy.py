@@ -1,0 +1,278 @@
+"""The speculation policy's core: expected tokens, draft allocation against a fake step-time model
+(flat to 8 query tokens, then proportional to n: compute-bound), reasons, hysteresis, the fitted
+step-time model, and the acceptance estimate on seeded synthetic verifies."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from engine.spec.policy import (
+    AcceptanceTracker,
+    Hysteresis,
+    StepTimeModel,
+    allocate_draft_lengths,
+    expected_tokens,
+    goodput,
+)
+
+KNEE = 8
+
+
+@dataclass(frozen=True)
+class FlatThenLinear:
+    """A forward over 1..KNEE tokens costs one base step; past it, cost grows with n."""
+
+    base: float = 1.0
+
+    def predict(self, n: int, context: int = 0) -> float:
+        return self.base * max(1.0, n / KNEE)
+
+
+@dataclass(frozen=True)
+class MeasuredCpu:
+    """The issue's CPU curve: flat to 8 tokens, 16 tokens +30%, 64 tokens 2x (interpolated)."""
+
+    def predict(self, n: int, context: int = 0) -> float:
+        points = [(1, 1.0), (8, 1.0), (16, 1.3), (64, 2.0)]
+        for (n0, t0), (n1, t1) in itertools.pairwise(points):
+            if n <= n1:
+                return t0 + (t1 - t0) * max(n - n0, 0) / (n1 - n0)
+        return 2.0 + (0.7 / 48) * (n - 64)
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 0) == 1.0
+    for alpha, k in itertools.product([0.1, 0.5, 0.9, 0.999], range(8)):
+        assert expected_tokens(alpha, k) == pytest.approx(sum(alpha**j for j in range(k + 1)))
+    with pytest.raises(ValueError):
+        expected_tokens(1.2, 3)
+
+
+def _decide(batch: int, alpha: float = 0.8, cap: int = 7, cost: float = 0.01):
+    return allocate_draft_lengths([alpha] * batch, [cap] * batch, batch, 0, FlatThenLinear(), cost)
+
+
+def test_batch_one_speculates_to_the_knee() -> None:
+    decision = _decide(1)
+    # 1 + 7 drafts fill the flat region exactly; an 8th draft costs 1/8 of a step for 0.8^8.
+    assert decision.num_draft_tokens == (7,)
+    assert decision.reasons == ("speculating",)
+    assert decision.goodput == pytest.approx(expected_tokens(0.8, 7) / (1.0 + 0.07))
+
+
+def test_speculation_falls_off_past_the_knee_and_comes_back() -> None:
+    totals = {}
+    for batch in [1, 2, 4, 8, 16, 32, 16, 4, 1]:
+        decision = _decide(batch)
+        totals[batch] = sum(decision.num_draft_tokens)
+        if batch >= KNEE:
+            assert decision.num_draft_tokens == (0,) * batch
+            assert set(decision.reasons) == {"compute_bound"}
+        else:
+            assert set(decision.reasons) == {"speculating"}
+            # Drafts fill the free slots up to the knee and no further.
+            assert batch + totals[batch] == KNEE
+            assert max(decision.num_draft_tokens) - min(decision.num_draft_tokens) <= 1
+    assert totals[1] == 7 and totals[16] == 0
+
+
+def test_low_acceptance_is_told_apart_from_compute_bound() -> None:
+    # Drafting costs 0.1 step per token; alpha 0.05 never pays, even alone on an idle engine.
+    low = allocate_draft_lengths([0.05], [5], 1, 0, FlatThenLinear(), 0.1)
+    assert low.num_draft_tokens == (0,) and low.reasons == ("low_acceptance",)
+    mixed = allocate_draft_lengths([0.05, 0.9] * 8, [5] * 16, 16, 0, FlatThenLinear(), 0.1)
+    assert mixed.num_draft_tokens == (0,) * 16
+    assert mixed.reasons == ("low_acceptance", "compute_bound") * 8
+
+
+def test_caps_opt_outs_and_operator_limits_are_honoured() -> None:
+    decision = allocate_draft_lengths(
+        [0.9, 0.9, 0.9], [2, 0, 3], 3, 0, FlatThenLinear(), 0.0, [None, "request_opt_out", None]
+    )
+    assert decision.num_draft_tokens == (2, 0, 3)
+    assert decision.reasons == ("speculating", "request_opt_out", "speculating")
+    for reason in ["batch_size", "utilization"]:
+        off = allocate_draft_lengths([0.9] * 2, [0, 0], 2, 0, FlatThenLinear(), 0.0, [reason] * 2)
+        assert off.num_draft_tokens == (0, 0) and off.reasons == (reason, reason)
+    budget = allocate_draft_lengths([0.9] * 2, [7, 7], 2, 0, FlatThenLinear(), 0.0, None, 3)
+    assert sum(budget.num_draft_tokens) == 3
+    with pytest.raises(ValueError, match="without a reason"):
+        allocate_draft_lengths([0.9], [0], 1, 0, FlatThenLinear())
+
+
+def test_higher_acceptance_gets_more_drafts() -> None:
+    decision = allocate_draft_lengths([0.95, 0.5], [7, 7], 2, 0, FlatThenLinear(), 0.0)
+    k_high, k_low = decision.num_draft_tokens
+    assert k_high + k_low == KNEE - 2 and k_high > k_low
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    alphas = [rng.uniform(0.05, 0.98) for _ in range(3)]
+    caps = [rng.randint(0, 5) for _ in range(3)]
+    base = rng.randint(1, 14)
+    model = rng.choice([FlatThenLinear(), MeasuredCpu()])
+    cost = rng.choice([0.0, 0.01, 0.05])
+    reasons = ["request_opt_out" if c == 0 else None for c in caps]
+    decision = allocate_draft_lengths(alphas, caps, base, 0, model, cost, reasons)
+    best = max(
+        goodput(alphas, ks, base, 0, model, cost)
+        for ks in itertools.product(*(range(c + 1) for c in caps))
+    )
+    assert decision.goodput == pytest.approx(best, rel=1e-12)
+
+
+def test_allocation_walks_past_a_step_in_the_curve() -> None:
+    # Padded shapes make step time a staircase: 9..32 tokens cost one price. Stopping at the
+    # first draft that lowers goodput (the 8th) would miss the plateau after it.
+    class Staircase:
+        def predict(self, n: int, context: int = 0) -> float:
+            return 1.0 if n <= 8 else 1.15 if n <= 32 else 1.15 * n / 32
+
+    decision = allocate_draft_lengths([0.95], [31], 1, 0, Staircase(), 0.0)
+    assert decision.num_draft_tokens == (31,)
+    assert decision.goodput == pytest.approx(expected_tokens(0.95, 31) / 1.15)
+
+
+def test_callable_draft_cost_sees_the_total() -> None:
+    seen: list[int] = []
+
+    def cost(num_draft_tokens: int) -> float:
+        seen.append(num_draft_tokens)
+        return 0.5 if num_draft_tokens else 0.0  # a fixed launch cost once anything is drafted
+
+    decision = allocate_draft_lengths([0.3], [7], 1, 0, FlatThenLinear(), cost)
+    # 1.43 tokens for 1.5 steps loses to 1 token for 1 step.
+    assert decision.num_draft_tokens == (0,) and max(seen) >= 1
+
+
+def _switches(decisions: list[int]) -> int:
+    return sum((a > 0) != (b > 0) for a, b in itertools.pairwise(decisions))
+
+
+def test_hysteresis_stops_flapping_at_break_even() -> None:
+    # With 0.3 step per draft token, one draft pays iff alpha > 0.3: the break-even point.
+    wobble = [0.31, 0.29] * 10
+    plain = [
+        allocate_draft_lengths([a], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0]
+        for a in wobble
+    ]
+    assert _switches(plain) == len(wobble) - 1
+    hysteresis = Hysteresis(margin=0.03)
+    held = [
+        hysteresis.allocate(["r"], [a], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0]
+        for a in wobble
+    ]
+    assert _switches(held) == 0 and held[0] == 1
+    # A clear gain still switches, both ways, and an opt-out acts at once.
+    assert hysteresis.allocate(["r"], [0.05], [4], 1, 0, FlatThenLinear(), 0.3).reasons == (
+        "low_acceptance",
+    )
+    assert (
+        hysteresis.allocate(["r"], [0.7], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0] > 0
+    )
+    opt_out = hysteresis.allocate(
+        ["r"], [0.7], [0], 1, 0, FlatThenLinear(), 0.3, ["request_opt_out"]
+    )
+    assert opt_out.num_draft_tokens == (0,) and opt_out.reasons == ("request_opt_out",)
+
+
+def _true_step_time(n: int, context: int) -> float:
+    plateau = 0.2
+    tail = 0.0075 * max(0, n - 8) if n <= 16 else 0.06 + 0.003 * (n - 16)
+    return plateau + tail + 2e-6 * context
+
+
+def _samples(rng: random.Random, noise: float) -> list[tuple[int, int, float]]:
+    return [
+        (n, ctx, _true_step_time(n, ctx) * (1 + rng.gauss(0, noise)))
+        for n in [1, 2, 4, 8, 16, 32, 64]
+        for ctx in [0, 4096, 16384]
+        for _ in range(3)
+    ]
+
+
+def test_fit_recovers_a_known_curve_and_stays_monotone() -> None:
+    model = StepTimeModel.fit(_samples(random.Random(0), noise=0.01))
+    for n, ctx in itertools.product([1, 3, 8, 12, 16, 40, 64], [0, 8192]):
+        assert model.predict(n, ctx) == pytest.approx(_true_step_time(n, ctx), rel=0.03)
+    assert model.context_coef == pytest.approx(2e-6, rel=0.2)
+    assert model.knee == 8
+    for ctx in [0, 16384]:
+        times = [model.predict(n, ctx) for n in range(1, 200)]
+        assert all(b >= a for a, b in itertools.pairwise(times))
+
+
+def test_fit_repairs_non_monotone_measurements() -> None:
+    model = StepTimeModel.fit([(1, 0, 1.0), (2, 0, 1.2), (4, 0, 1.1), (8, 0, 1.5)])
+    assert model.values == pytest.approx([1.0, 1.15, 1.15, 1.5])
+    assert model.context_coef == 0.0
+
+
+def test_observe_follows_a_slower_device() -> None:
+    model = StepTimeModel.fit(_samples(random.Random(1), noise=0.0))
+    rng = random.Random(2)
+    for _ in range(600):
+        n, ctx = rng.choice([1, 2, 4, 8, 16, 32, 64]), 4096
+        model.observe(n, ctx, 1.5 * _true_step_time(n, ctx))
+    for n in [1, 8, 16, 64]:
+        assert model.predict(n, 4096) == pytest.approx(1.5 * _true_step_time(n, 4096), rel=0.02)
+    assert all(b >= a for a, b in itertools.pairwise(model.values))
+
+
+def test_to_dict_round_trip() -> None:
+    model = StepTimeModel.fit(_samples(random.Random(3), noise=0.01))
+    copy = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    for n, ctx in itertools.product(range(1, 100, 7), [0, 5000]):
+        assert copy.predict(n, ctx) == model.predict(n, ctx)
+    assert copy.knee == model.knee
+    with pytest.raises(ValueError, match="version"):
+        StepTimeModel.from_dict({**model.to_dict(), "version": 99})
+
+
+def _verify(rng: random.Random, alpha: float, k: int) -> int:
+    accepted = 0
+    while accepted < k and rng.random() < alpha:
+        accepted += 1
+    return accepted
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.9])
+def test_acceptance_tracker_converges_to_the_true_alpha(alpha: float) -> None:
+    rng = random.Random(int(alpha * 100))
+    tracker = AcceptanceTracker(decay=0.995)
+    num_drafted = num_accepted = 0
+    for _ in range(3000):
+        k = rng.randint(1, 6)
+        a = _verify(rng, alpha, k)
+        tracker.observe("r", "ngram", k, a)
+        num_drafted, num_accepted = num_drafted + k, num_accepted + a
+    assert tracker.alpha("r", "ngram") == pytest.approx(alpha, abs=0.03)
+    if alpha < 0.9:
+        # accepted / drafted counts untested positions as failures: the bias the MLE avoids.
+        assert alpha - num_accepted / num_drafted > 0.1
+
+
+def test_acceptance_tracker_prior_decay_and_forget() -> None:
+    tracker = AcceptanceTracker()
+    assert tracker.alpha("new", "prediction") == tracker.priors["prediction"]
+    rng = random.Random(7)
+    for _ in range(200):
+        tracker.observe("r", "draft_model", 5, _verify(rng, 0.9, 5))
+    assert tracker.alpha("r", "draft_model") > 0.8
+    for _ in range(50):
+        tracker.observe("r", "draft_model", 5, _verify(rng, 0.2, 5))
+    assert tracker.alpha("r", "draft_model") < 0.35
+    tracker.forget("r")
+    assert tracker.alpha("r", "draft_model") == tracker.priors["draft_model"]
+    with pytest.raises(ValueError):
+        tracker.observe("r", "ngram", 3, 4)
