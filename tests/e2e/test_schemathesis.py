@@ -212,6 +212,9 @@ def _cap(body: dict[str, Any], name: str, low: int, high: int) -> None:
         body[name] = min(value, high)
 
 
+_NULL_MEANS_ABSENT = ("tools", "tool_choice", "functions", "function_call")
+
+
 def prepare(case: Any) -> Any:
     """Pin the model, force non-streaming and keep generation short (see the module docstring)."""
     body = case.body
@@ -223,6 +226,11 @@ def prepare(case: Any) -> Any:
     if type(body.get("stream")) is bool:
         body["stream"] = False
     body.pop("stream_options", None)
+    # The server rejects tools and friends (unsupported) but reads an explicit null there as
+    # "not given", as clients that always send the key expect; the spec has no null for them.
+    for key in _NULL_MEANS_ABSENT:
+        if key in body and body[key] is None:
+            del body[key]
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_NEW_TOKENS  # chat's default is the rest of the context
     _cap(body, "max_tokens", 1, MAX_NEW_TOKENS)
