@@ -40,8 +40,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 
 bench: $(VENV)/.models
+	$(PY) bench/kernels.py
 	$(PY) bench/decode.py
 	$(PY) bench/throughput.py
+	$(PY) bench/spec.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
