@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from engine.spec.config import SpeculativeConfig
+from engine.tokenizer import config_eos_token_ids
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -148,21 +149,6 @@ class ModelConfig:
             attention_bias=bool(getattr(hf, "attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-            eos_token_ids=_eos_ids(path, raw),
+            eos_token_ids=config_eos_token_ids(path),
             hf_config=hf,
         )
-
-
-def _eos_ids(path: Path, raw: Mapping[str, Any]) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
-    ids: list[int] = []
-    sources = [raw]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        value = src.get("eos_token_id")
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return tuple(ids)

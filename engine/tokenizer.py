@@ -60,11 +60,16 @@ def eos_token_ids(
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     if generation_config_path_or_dir is not None:
-        source = Path(generation_config_path_or_dir)
-        files = [source / name for name in _CONFIG_FILES] if source.is_dir() else [source]
-        for file in files:
-            if file.is_file():
-                ids.extend(_config_eos_ids(file))
+        ids.extend(config_eos_token_ids(generation_config_path_or_dir))
+    return tuple(dict.fromkeys(ids))
+
+
+def config_eos_token_ids(path_or_dir: str | Path) -> tuple[int, ...]:
+    """`eos_token_id` (int or list) of a model directory's generation_config.json and
+    config.json, or of the one file given; missing files are skipped, duplicates dropped."""
+    source = Path(path_or_dir)
+    files = [source / name for name in _CONFIG_FILES] if source.is_dir() else [source]
+    ids = [i for file in files if file.is_file() for i in _config_eos_ids(file)]
     return tuple(dict.fromkeys(ids))
 
 
