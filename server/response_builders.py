@@ -210,7 +210,9 @@ class ChatStream(_Stream):
     """Chunks of one streamed chat completion: per choice a role chunk, content chunks, and a
     final chunk with an empty delta and the finish reason; then `usage_chunk()`."""
 
-    def chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
+    def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[ChatCompletionChunk]:
+        """Chunks for the output's news. A chat has one prompt: prompt_index is always 0 and
+        only there so chat and completions streams share one interface."""
         self._last[0] = output
         chunks = []
         for c in output.outputs:

@@ -47,9 +47,8 @@ from server.streaming import (
     SSEResponse,
     TokenSplitter,
     aborted_error,
-    chat_events,
-    completion_events,
     engine_unavailable,
+    stream_events,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ async def chat_completions(request: Request) -> Response:
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction_of(req))
     if req.stream:
         builder = ChatStream(meta, state.tokens, _include_usage(req))
-        return SSEResponse(chat_events(streams, builder, _splitter(request)))
+        return SSEResponse(stream_events(streams, builder, _splitter(request)))
     (output,) = await _final(request, streams)
     return _json(build_chat_response(meta, output, state.tokens))
 
@@ -149,7 +148,7 @@ async def completions(request: Request) -> Response:
     streams = await _open(request, engine, ids, prompts, params, None)
     if req.stream:
         builder = CompletionStream(meta, state.tokens, params.n, _include_usage(req))
-        return SSEResponse(completion_events(streams, builder, _splitter(request)))
+        return SSEResponse(stream_events(streams, builder, _splitter(request)))
     outputs = await _final(request, streams)
     return _json(build_completion_response(meta, outputs, state.tokens))
 

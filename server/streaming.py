@@ -217,30 +217,11 @@ def error_event(exc: BaseException, request_id: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-async def chat_events(
-    streams: EngineStreams, builder: ChatStream, splitter: TokenSplitter | None
+async def stream_events(
+    streams: EngineStreams, builder: ChatStream | CompletionStream, splitter: TokenSplitter | None
 ) -> AsyncIterator[bytes]:
-    """The events of a streamed chat completion (one prompt)."""
-    try:
-        async for _, output in streams.outputs():
-            check_not_aborted(output)
-            for piece in splitter.split(output) if splitter else [output]:
-                for chunk in builder.chunks(piece):
-                    yield sse(chunk, builder.include_usage)
-        usage = builder.usage_chunk()
-        if usage is not None:
-            yield sse(usage, True)
-    except Exception as exc:
-        yield error_event(exc, builder.meta.id)
-    finally:
-        await streams.aclose()
-    yield DONE
-
-
-async def completion_events(
-    streams: EngineStreams, builder: CompletionStream, splitter: TokenSplitter | None
-) -> AsyncIterator[bytes]:
-    """The events of a streamed completions call; several prompts interleave."""
+    """The events of a streamed chat completion (one prompt) or completions call (several
+    prompts interleaving), then the usage chunk when asked, then [DONE]."""
     try:
         async for index, output in streams.outputs():
             check_not_aborted(output)
