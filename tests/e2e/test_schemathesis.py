@@ -42,7 +42,7 @@ from server.protocol import (
 )
 from server.settings import Settings
 from tests.e2e.conftest import LiveServer, live_server
-from tests.unit.test_protocol import SPEC_PATH
+from tests.openapi_spec import SPEC_PATH
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")

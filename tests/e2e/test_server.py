@@ -34,7 +34,7 @@ from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_healthy, wait_idle
-from tests.unit.test_protocol import SPEC_PATH, _to_json_schema
+from tests.openapi_spec import SPEC_PATH, to_json_schema
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -101,7 +101,7 @@ def schemas() -> dict[str, Any]:
         "Model",
         "ErrorResponse",
     ]
-    return {n: jsonschema.Draft202012Validator(_to_json_schema(found[n], found)) for n in names}
+    return {n: jsonschema.Draft202012Validator(to_json_schema(found[n], found)) for n in names}
 
 
 def _valid(schemas: dict[str, Any], name: str, body: Any) -> Any:

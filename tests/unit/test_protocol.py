@@ -1,7 +1,7 @@
 """The OpenAI protocol layer: request validation to 400 envelopes, request -> SamplingParams,
 token text/bytes for logprobs, and responses/chunks validated against the official OpenAPI spec.
 
-The spec (/work/shared/openai/openapi.yaml, or $SPECSERVE_OPENAPI) is loaded once per module;
+The spec (../shared/openai/openapi.yaml beside the repo, or $SPECSERVE_OPENAPI) is loaded once per module;
 its `$ref`s are resolved and OpenAPI's `nullable: true` rewritten into JSON Schema, and our
 serialized bodies are checked with `jsonschema`. Tokenizers are trained here (no downloads).
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,10 +32,10 @@ from server.response_builders import (
 )
 from server.responses import ModelCard, ModelList
 from server.token_text import TextOffsets, TokenDecoder
+from tests.openapi_spec import SPEC_PATH, to_json_schema
 
 jsonschema = pytest.importorskip("jsonschema")
 
-SPEC_PATH = Path(os.environ.get("SPECSERVE_OPENAPI", "/work/shared/openai/openapi.yaml"))
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
     "Un café naïve, déjà vu — résumé!",
@@ -52,23 +50,6 @@ DROP = object()  # a patch value that removes the key
 # --------------------------------------------------------------------------- fixtures
 
 
-def _to_json_schema(node: Any, schemas: dict[str, Any], stack: tuple[str, ...] = ()) -> Any:
-    """Resolve `$ref`s (a cycle becomes {}) and turn `nullable: true` into anyOf [..., null]."""
-    if isinstance(node, list):
-        return [_to_json_schema(item, schemas, stack) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = dict(node)
-    if "$ref" in node:
-        name = node.pop("$ref").rsplit("/", 1)[-1]
-        target = {} if name in stack else _to_json_schema(schemas[name], schemas, (*stack, name))
-        node = {**target, **{k: v for k, v in node.items() if k != "description"}}
-    out = {k: _to_json_schema(v, schemas, stack) for k, v in node.items() if k != "nullable"}
-    if node.get("nullable"):
-        return {"anyOf": [out, {"type": "null"}]}
-    return out
-
-
 @pytest.fixture(scope="module")
 def openapi() -> dict[str, Any]:
     if not SPEC_PATH.is_file():
@@ -80,7 +61,7 @@ def openapi() -> dict[str, Any]:
 
 
 def _validator(schemas: dict[str, Any], name: str) -> Any:
-    schema = _to_json_schema(schemas[name], schemas, (name,))
+    schema = to_json_schema(schemas[name], schemas, (name,))
     return jsonschema.Draft202012Validator(schema)
 
 
@@ -99,7 +80,7 @@ def validators(openapi) -> dict[str, Any]:
     chunk = copy.deepcopy(openapi["CreateCompletionResponse"])
     chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]["nullable"] = True
     chunk["properties"]["usage"] = {"$ref": "#/x/CompletionUsage", "nullable": True}
-    found["CompletionChunk"] = jsonschema.Draft202012Validator(_to_json_schema(chunk, openapi))
+    found["CompletionChunk"] = jsonschema.Draft202012Validator(to_json_schema(chunk, openapi))
     return found
 
 
