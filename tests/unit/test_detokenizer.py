@@ -12,12 +12,12 @@ import logging
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from tests.tiny_tokenizers import byte_level_bpe, llama_byte_fallback, metaspace_bpe
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
@@ -42,54 +42,15 @@ CHAT_TEMPLATE = (
 
 
 def _byte_level() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # A small vocabulary keeps many multi-byte characters split over several tokens.
-    trainer = trainers.BpeTrainer(
-        vocab_size=330,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
+    return byte_level_bpe(CORPUS, 330, SPECIAL_TOKENS)
 
 
 def _metaspace() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    return metaspace_bpe(CORPUS, 200)
 
 
 def _llama_byte_fallback() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    ascii_corpus = [line.encode("ascii", "ignore").decode() for line in CORPUS]
-    trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(ascii_corpus, trainer)
-    # Add the 256 byte tokens so that every non-ASCII character falls back to <0xXX> pieces.
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    spec["model"]["byte_fallback"] = True
-    tok = Tokenizer.from_str(json.dumps(spec))
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    return llama_byte_fallback(CORPUS, 150)
 
 
 @pytest.fixture(scope="module")

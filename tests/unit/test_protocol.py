@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -33,6 +32,7 @@ from server.response_builders import (
 from server.responses import ModelCard, ModelList
 from server.token_text import TextOffsets, TokenDecoder
 from tests.openapi_spec import SPEC_PATH, to_json_schema
+from tests.tiny_tokenizers import byte_level_bpe, llama_byte_fallback
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -92,37 +92,11 @@ def _check(validator: Any, model: Any) -> dict[str, Any]:
 
 
 def _byte_level() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return byte_level_bpe(CORPUS, 300, ["<|endoftext|>"])
 
 
 def _llama_byte_fallback() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator([line.encode("ascii", "ignore").decode() for line in CORPUS], trainer)
-    spec = json.loads(tok.to_str())
-    for byte in range(256):
-        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
-    spec["model"]["byte_fallback"] = True
-    tok = Tokenizer.from_str(json.dumps(spec))
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    return llama_byte_fallback(CORPUS, 120)
 
 
 @pytest.fixture(scope="module")
