@@ -48,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # Speculation controls (the `speculation` API extension): opt out, or cap the draft length.
+    speculate: bool = True
+    max_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise container fields so that the object is hashable-ish and truly immutable.
@@ -89,6 +92,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             fail("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}.")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            fail("max_draft_tokens", f"must be at least 0, got {self.max_draft_tokens}.")
         if any(not s for s in self.stop):
             fail("stop", "must not contain empty strings.")
         if any(t < 0 for t in self.stop_token_ids):

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+SPEC_MODES = ("off", "always", "auto")
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -24,6 +26,13 @@ class SpeculativeConfig:
     # The draft model stops drafting for a request once it gives its own token less than this
     # probability (bench/spec.py: 0.6 with 5 tokens beat a fixed 3-token window on open chat).
     draft_min_confidence: float = 0.6
+    # The policy: "off" never drafts, "always" drafts num_speculative_tokens for every decoding
+    # request, "auto" grants each request the k that maximises the step's predicted goodput.
+    mode: str = "auto"
+    # Operator limits (None: off): no speculation while this many requests run, or while the
+    # device is at least this busy (0 to 1; NVML on GPU, the calibrated knee on CPU).
+    spec_disable_batch_size: int | None = None
+    spec_disable_utilization: float | None = None
 
     def __post_init__(self) -> None:
         from engine.spec.proposer import PROPOSERS
@@ -44,6 +53,13 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         if not 0.0 <= self.draft_min_confidence < 1.0:
             raise ValueError("draft_min_confidence must be in [0, 1).")
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}.")
+        if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
+            raise ValueError("spec_disable_batch_size must be at least 1.")
+        utilization = self.spec_disable_utilization
+        if utilization is not None and not 0.0 < utilization <= 1.0:
+            raise ValueError("spec_disable_utilization must be in (0, 1].")
         if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative method draft_model needs 'model' (the draft model).")
 
