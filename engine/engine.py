@@ -29,7 +29,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Draft
 from engine.spec.speculator import ProposerContext, Speculator
-from engine.spec.stats import SpecStats
+from engine.spec.stats import PolicyStats, SpecStats
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.verifier import StepTokens, Verifier
 
@@ -192,6 +192,10 @@ class LLMEngine:
     def spec_stats(self) -> SpecStats:
         return self.speculator.stats
 
+    @property
+    def policy_stats(self) -> PolicyStats:
+        return self.speculator.policy_stats
+
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run the target once, verify, update. Returns the changed outputs."""
         schedule = self.scheduler.schedule()
@@ -202,8 +206,11 @@ class LLMEngine:
         chunks, items = self._build_batch(schedule, drafts)
         logits = self.runner.forward(chunks)
         results = self.verifier.run(logits, items) if logits is not None else []
+        seconds = time.perf_counter() - start
         if drafts:
-            self.speculator.stats.verify_time += time.perf_counter() - start
+            self.speculator.stats.verify_time += seconds
+        # The policy's step-time model learns from every measured forward.
+        self.speculator.observe_step(chunks, seconds)
         return self._update(schedule, chunks, drafts, results)
 
     def _build_batch(

@@ -67,6 +67,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        # Prefix-cache lookups at admission, in tokens (queried and found cached).
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -111,6 +114,8 @@ class Scheduler:
             ):
                 break
             self.waiting.popleft()
+            self.num_prefix_cache_queries += request.num_tokens
+            self.num_prefix_cache_hits += num_cached
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.request import Request
+from engine.runner import SeqChunk
 from engine.scheduler import ScheduledRequest
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Draft, Proposer, make_proposer
-from engine.spec.stats import SpecStats
+from engine.spec.stats import PolicyStats, SpecStats
 
 # Draft length for predicted outputs when no speculative config sets one: a prediction is
 # usually long and right, and verifying a token costs nothing while decode is memory-bound.
@@ -43,6 +44,7 @@ class Speculator:
         self.prediction = make_proposer("prediction", spec=config, context=context)
         self.num_tokens = config.num_speculative_tokens if config else DEFAULT_PREDICTION_TOKENS
         self.stats = SpecStats()
+        self.policy_stats = PolicyStats()
 
     def draft_length(self, request: Request) -> int:
         """Draft tokens a decoding request may verify this step (a fixed K for now)."""
@@ -84,6 +86,9 @@ class Speculator:
             if num_kv is not None:
                 num_computed = min(num_computed, num_kv)
         return num_computed
+
+    def observe_step(self, chunks: Sequence[SeqChunk], seconds: float) -> None:
+        """One measured target forward (and verification) over `chunks`."""
 
     def free(self, request: Request) -> None:
         for proposer in (self.prediction, *self.chain):
