@@ -75,7 +75,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_len,
-            draft_length=self.speculator.draft_length,
+            plan_drafts=self.speculator.plan,
         )
         self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
@@ -246,9 +246,7 @@ class LLMEngine:
         for s, chunk in zip(schedule.scheduled, chunks, strict=True):
             request = s.request
             if not chunk.num_logits:  # a prompt chunk short of the end
-                num_computed = chunk.start + s.num_new_tokens
-                num_cacheable = self.speculator.num_cacheable_tokens(request, num_computed)
-                self.scheduler.update(request, num_computed, num_cacheable)
+                self.scheduler.update(request, chunk.start + s.num_new_tokens)
                 continue
             result = next(step_results)
             self._apply(s, chunk, result, drafts.get(request.request_id))
@@ -276,13 +274,13 @@ class LLMEngine:
             request.spec_stats.record(
                 result.num_draft_tokens, result.num_accepted, draft.source, num_cut
             )
+            self.speculator.observe_verify(request, draft, result.num_accepted)
         # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back
         # (and so do accepted ones a stop condition cut off).
         num_computed = min(
             chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
         )
-        num_cacheable = self.speculator.num_cacheable_tokens(request, num_computed)
-        self.scheduler.update(request, num_computed, num_cacheable)
+        self.scheduler.update(request, num_computed)
         if status is not None:
             self._finish(request, status)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -47,6 +47,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
 
 
+# plan_drafts(candidates, base_tokens, context, budget, num_running) -> k per candidate, where a
+# candidate is (decoding request, most drafts the step has room for).
+DraftPlan = Callable[[Sequence[tuple[Request, int]], int, int, int, int], list[int]]
+
+
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager."""
 
@@ -56,14 +61,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        draft_length: Callable[[Request], int] | None = None,
+        plan_drafts: DraftPlan | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # How many draft tokens a decoding request may verify this step (the speculation policy).
-        self.draft_length = draft_length
+        # How many draft tokens each decoding request may verify this step (the policy).
+        self.plan_drafts = plan_drafts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
@@ -83,22 +88,22 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         num_preempted = 0
 
+        kept: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_drafts = self._num_drafts(request, num_new, budget)
-            if num_drafts and not self.block_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new + num_drafts
-            ):
-                num_drafts = 0  # speculation never preempts anyone
-            is_kept, num_victims = self._allocate_or_preempt(request, num_new + num_drafts)
+            is_kept, num_victims = self._allocate_or_preempt(request, num_new)
             num_preempted += num_victims
             if not is_kept:
                 break  # the request preempted itself: nothing after it is left either
-            scheduled.append(ScheduledRequest(request, num_new, num_drafts))
-            budget -= num_new + num_drafts
+            kept.append((request, num_new))
+            budget -= num_new
             i += 1
+        drafts = self._plan(kept, budget)
+        for (request, num_new), num_drafts in zip(kept, drafts, strict=True):
+            scheduled.append(ScheduledRequest(request, num_new, num_drafts))
+            budget -= num_drafts
 
         # Admitting new work right after preempting would only thrash the cache.
         while self.waiting and not num_preempted and budget > 0:
@@ -125,21 +130,33 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(tuple(scheduled), num_preempted)
 
-    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
-        """Draft tokens for a decoding request: what the policy grants, within the budget, the
-        context and max_tokens (a step emits at most drafts + 1 tokens)."""
-        is_decoding = num_new == 1 and request.num_output_tokens > 0
-        if self.draft_length is None or not is_decoding:
-            return 0
-        return max(
-            0,
-            min(
-                self.draft_length(request),
-                budget - num_new,
+    def _plan(self, kept: list[tuple[Request, int]], budget: int) -> list[int]:
+        """Draft tokens per kept request: the policy's grant for decoding requests, within the
+        budget left, the context and max_tokens (a step emits at most drafts + 1 tokens), and the
+        free blocks — speculation never preempts anyone."""
+        drafts = [0] * len(kept)
+        if self.plan_drafts is None or budget <= 0:
+            return drafts
+        candidates, where = [], []
+        for j, (request, num_new) in enumerate(kept):
+            room = min(
                 self.max_model_len - request.num_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
-            ),
-        )
+            )
+            if num_new == 1 and request.num_output_tokens > 0 and room > 0:
+                candidates.append((request, room))
+                where.append(j)
+        if not candidates:
+            return drafts
+        base_tokens = sum(num_new for _, num_new in kept)
+        context = sum(r.num_computed_tokens + n for r, n in kept)
+        granted = self.plan_drafts(candidates, base_tokens, context, budget, len(self.running))
+        for j, k in zip(where, granted, strict=True):
+            request, num_new = kept[j]
+            target = request.num_computed_tokens + num_new + k
+            if k > 0 and self.block_manager.allocate_slots(request.request_id, target):
+                drafts[j] = k
+        return drafts
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, int]:
         """Reserve slots for num_new more tokens, preempting from the back of the running list.
@@ -163,20 +180,16 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s", request.request_id)
 
-    def update(
-        self, request: Request, num_computed_tokens: int, num_cacheable_tokens: int | None = None
-    ) -> None:
+    def update(self, request: Request, num_computed_tokens: int) -> None:
         """Record how many tokens now have valid KV (after a verify step: the accepted prefix,
-        the rejected draft positions rolled back), offer the full blocks of the first
-        num_cacheable_tokens (default: all computed) to the prefix cache, and free blocks that
-        only held rejected positions."""
+        the rejected draft positions rolled back), offer the full blocks among them to the prefix
+        cache, and free blocks that only held rejected positions."""
         request.num_computed_tokens = num_computed_tokens
         if request.is_finished:
             return
-        num_cacheable = (
-            num_computed_tokens if num_cacheable_tokens is None else num_cacheable_tokens
+        self.block_manager.cache_blocks(
+            request.request_id, request.all_token_ids, num_computed_tokens
         )
-        self.block_manager.cache_blocks(request.request_id, request.all_token_ids, num_cacheable)
         self.block_manager.trim(request.request_id, request.num_tokens)
 
     def finish(self, request: Request, status: RequestStatus) -> None:

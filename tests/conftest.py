@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tests build throwaway models: their step-time calibrations are not worth caching in ~/.cache.
+os.environ.setdefault("SPECSERVE_CALIBRATION_CACHE", "0")
 
 TINY_VOCAB = 320
 

@@ -1,17 +1,20 @@
 """A smaller model with the target's tokenizer drafts for it.
 
 The draft model has its own runner (its own weights and KV tensors) but indexes its KV with the
-SAME block tables as the target, so it needs no memory management of its own. Every step:
+SAME block tables as the target, so it needs no memory management of its own. In a step where
+a request drafts:
 
-1. One batched forward over every scheduled request: the tokens the draft has not seen yet (the
-   target's prefill chunk, or what the target accepted last step plus the recovered or bonus
-   token) — so the draft's prefill follows the target's chunks and it stays in sync while a
-   request is not speculating — with logits for the requests that draft, giving q_1 -> d_1.
+1. One batched forward over the drafting requests: for each, every token the draft has not seen
+   yet (its whole prompt the first time; after that what the target accepted since the last
+   drafts plus the recovered or bonus token), with logits for the last one: q_1 -> d_1.
 2. k - 1 more single-token forwards, batched across the drafting requests, for d_2 .. d_k.
 
-No feedback is needed after verification: the next step compares the request's tokens with the
-drafts it fed and keeps the KV of the accepted ones, so after a rejection the draft catches up in
-its first forward of the next step, without an extra pass.
+The draft is lazy: a request the policy does not let speculate costs the draft model nothing,
+and when speculation resumes its first forward catches up on everything it missed, so its KV is
+exact again and acceptance does not collapse. The draft's KV does not follow the target's prefix
+cache: a request starts with no draft KV (a cached block may never have had its draft KV written)
+and after a preemption it starts over. No feedback is needed after verification: the next step
+compares the request's tokens with the drafts it fed and keeps the KV of the accepted ones.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class _DraftState:
     num_computed: int = 0  # leading tokens of request.all_token_ids with valid draft KV
     fed_at: int = 0  # request.num_tokens when the last drafts were fed
     fed: tuple[int, ...] = ()  # drafts fed as inputs (their KV was written at fed_at + j)
+    num_preemptions: int = 0  # the request's count when this state was made
 
 
 class DraftModelProposer:
@@ -61,29 +65,22 @@ class DraftModelProposer:
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
 
-    def num_kv_tokens(self, request: Request) -> int | None:
-        state = self._states.get(request.request_id)
-        if state is None:
-            return 0
-        tokens, kept = request.all_token_ids, 0
-        while (
-            kept < len(state.fed)
-            and state.fed_at + kept < len(tokens)
-            and tokens[state.fed_at + kept] == state.fed[kept]
-        ):
-            kept += 1
-        return max(state.num_computed, state.fed_at + kept) if state.fed else state.num_computed
-
     def _sync(self, request: Request) -> _DraftState:
         """Bring the state up to date: keep the KV of fed drafts the target accepted, and never
-        trust more than the target has computed (a preempted request starts over)."""
+        trust more than the target has computed; a preempted request starts over."""
         state = self._states.get(request.request_id)
-        if state is None:
-            # Cached blocks are offered to the prefix cache only once the draft's KV in them is
-            # written too (see num_kv_tokens), so a prefix hit is valid for the draft as well.
-            state = self._states[request.request_id] = _DraftState(request.num_computed_tokens)
+        if state is None or state.num_preemptions != request.num_preemptions:
+            state = _DraftState(num_preemptions=request.num_preemptions)
+            self._states[request.request_id] = state
         if state.fed:
-            state.num_computed = self.num_kv_tokens(request) or 0
+            tokens, kept = request.all_token_ids, 0
+            while (
+                kept < len(state.fed)
+                and state.fed_at + kept < len(tokens)
+                and tokens[state.fed_at + kept] == state.fed[kept]
+            ):
+                kept += 1
+            state.num_computed = max(state.num_computed, state.fed_at + kept)
             state.fed = ()
         state.num_computed = min(state.num_computed, request.num_computed_tokens)
         return state
@@ -92,20 +89,18 @@ class DraftModelProposer:
     def propose(
         self, requests: Sequence[Request], max_lengths: Sequence[int]
     ) -> list[Draft | None]:
-        wanted = {r.request_id: k for r, k in zip(requests, max_lengths, strict=True) if k > 0}
+        num_new = {r.request_id: n for r, n in self._scheduled}
         chunks, drafting = [], []
-        for request, num_new in self._scheduled:
-            state = self._sync(request)
-            end = request.num_computed_tokens + num_new  # what the target knows this step
-            k = wanted.get(request.request_id, 0)
-            if state.num_computed >= end:
+        for request, k in zip(requests, max_lengths, strict=True):
+            if k <= 0:
                 continue
+            state = self._sync(request)
+            end = request.num_computed_tokens + num_new[request.request_id]  # known this step
             table = self.block_manager.get_block_table(request.request_id)
             tokens = request.all_token_ids[state.num_computed : end]
-            chunks.append(SeqChunk(tokens, state.num_computed, table, 1 if k else 0))
+            chunks.append(SeqChunk(tokens, state.num_computed, table, 1))
             state.num_computed = end
-            if k:
-                drafting.append((request, k))
+            drafting.append((request, k))
         if not chunks:
             return [None] * len(requests)
         logits = self.runner.forward(chunks)

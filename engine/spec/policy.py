@@ -106,7 +106,10 @@ class StepTimeModel:
 
     def observe(self, n: int, context: int, seconds: float) -> None:
         """Move the grid values around n a step `rate` toward one measured step time."""
-        error = seconds - self.predict(n, context)
+        predicted = self.predict(n, context)
+        # A step slowed by something else (another process, a page fault) says little about
+        # the device: one measurement moves the model by at most half its prediction.
+        error = max(-0.5 * predicted, min(seconds - predicted, 0.5 * predicted))
         weights = _hat_weights(self.grid, n)
         for j, w in enumerate(weights):
             self.values[j] = max(self.values[j] + self.rate * w * error, 0.0)

@@ -51,13 +51,6 @@ class Proposer(Protocol):
         """Forget per-request state (the request finished, was aborted or preempted)."""
         ...
 
-    def num_kv_tokens(self, request: Request) -> int | None:
-        """For a proposer with KV of its own (a draft model): how many leading tokens of the
-        request its KV holds now. The target's blocks past that are not offered to the prefix
-        cache yet, so a later hit never inherits draft KV that was not written. None for
-        proposers without KV."""
-        ...
-
 
 class LookupProposer:
     """Base of proposers that draft one request at a time from per-request state, catch up
@@ -79,9 +72,6 @@ class LookupProposer:
         self, requests: Sequence[Request], max_lengths: Sequence[int]
     ) -> list[Draft | None]:
         return [self._propose_one(r, k) for r, k in zip(requests, max_lengths, strict=True)]
-
-    def num_kv_tokens(self, request: Request) -> int | None:
-        return None  # no KV of its own
 
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)

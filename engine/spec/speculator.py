@@ -13,10 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.device_monitor import make_monitor
 from engine.request import Request
 from engine.runner import SeqChunk
 from engine.scheduler import ScheduledRequest
+from engine.spec.calibration import load_or_calibrate, time_forward
 from engine.spec.config import SpeculativeConfig
+from engine.spec.planner import DraftPlanner
+from engine.spec.policy import StepTimeModel
 from engine.spec.proposer import Draft, Proposer, make_proposer
 from engine.spec.stats import PolicyStats, SpecStats
 
@@ -44,13 +48,29 @@ class Speculator:
         self.prediction = make_proposer("prediction", spec=config, context=context)
         self.num_tokens = config.num_speculative_tokens if config else DEFAULT_PREDICTION_TOKENS
         self.stats = SpecStats()
-        self.policy_stats = PolicyStats()
+        self.planner = _make_planner(config, context, self.num_tokens, self.chain)
 
-    def draft_length(self, request: Request) -> int:
-        """Draft tokens a decoding request may verify this step (a fixed K for now)."""
-        if request.prediction_token_ids or self.chain:
-            return self.num_tokens
-        return 0
+    @property
+    def policy_stats(self) -> PolicyStats:
+        return self.planner.stats
+
+    def plan(
+        self,
+        candidates: Sequence[tuple[Request, int]],
+        base_tokens: int,
+        context: int,
+        budget: int,
+        num_running: int,
+    ) -> list[int]:
+        """Draft tokens per decoding request this step (see DraftPlanner.plan)."""
+        drafting = [i for i, (r, _) in enumerate(candidates) if self.planner.can_draft(r)]
+        ks = [0] * len(candidates)
+        chosen = self.planner.plan(
+            [candidates[i] for i in drafting], base_tokens, context, budget, num_running
+        )
+        for i, k in zip(drafting, chosen, strict=True):
+            ks[i] = k
+        return ks
 
     def propose(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, Draft]:
         start = time.perf_counter()
@@ -66,7 +86,11 @@ class Speculator:
             # Called even with nothing pending: a draft model catches up every step.
             self._ask(proposer, pending, drafts)
             pending = [(r, k) for r, k in pending if r.request_id not in drafts]
-        self.stats.draft_time += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.draft_time += seconds
+        if drafts:
+            # Drafting k tokens takes about k sequential draft forwards (lookup: ~free).
+            self.planner.observe_draft_time(seconds, max(len(d.token_ids) for d in drafts.values()))
         return drafts
 
     @staticmethod
@@ -79,17 +103,58 @@ class Speculator:
                 assert len(draft.token_ids) <= k, f"{proposer.name} drafted past its grant"
                 drafts[request.request_id] = draft
 
-    def num_cacheable_tokens(self, request: Request, num_computed: int) -> int:
-        """Leading tokens whose KV is complete in every model (target and drafts)."""
-        for proposer in self.chain:
-            num_kv = proposer.num_kv_tokens(request)
-            if num_kv is not None:
-                num_computed = min(num_computed, num_kv)
-        return num_computed
-
     def observe_step(self, chunks: Sequence[SeqChunk], seconds: float) -> None:
         """One measured target forward (and verification) over `chunks`."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        context = sum(c.start + len(c.token_ids) for c in chunks)
+        self.planner.observe_step(num_tokens, context, seconds)
+
+    def observe_verify(self, request: Request, draft: Draft, num_accepted: int) -> None:
+        """A verified draft: feeds the request's acceptance estimate."""
+        self.planner.observe_verify(request, draft.source, len(draft.token_ids), num_accepted)
 
     def free(self, request: Request) -> None:
         for proposer in (self.prediction, *self.chain):
             proposer.free(request)
+        self.planner.forget(request)
+
+
+def _make_planner(
+    config: SpeculativeConfig | None,
+    context: ProposerContext,
+    num_tokens: int,
+    chain: Sequence[Proposer],
+) -> DraftPlanner:
+    """The planner for the config. "auto" with a proposer chain calibrates the step-time model
+    (cached) and times one draft-model forward (the draft cost's starting point, refined online);
+    without a config only predictions draft, and a flat model lets them draft freely."""
+    engine = context.engine
+    mode = config.mode if config else "auto"
+    methods = config.methods if config else ()
+    draft_seconds = 0.0
+    if mode == "auto" and methods:
+        step_model = load_or_calibrate(
+            engine.runner,
+            engine.block_manager,
+            engine.model_config.path,
+            engine.config.max_num_batched_tokens,
+            engine.max_model_len,
+        )
+        draft_runner = next(
+            (getattr(p, "runner", None) for p in chain if p.name == "draft_model"), None
+        )
+        if draft_runner is not None:
+            time_forward(draft_runner, engine.block_manager, 1, 0, repeats=1)  # warm-up
+            draft_seconds = time_forward(draft_runner, engine.block_manager, 1, 0, repeats=2)
+    else:
+        step_model = StepTimeModel([1], [1.0], rate=0.0)
+    return DraftPlanner(
+        mode,
+        num_tokens,
+        methods,
+        step_model,
+        make_monitor(engine.runner.device, step_model),
+        config.spec_disable_batch_size if config else None,
+        config.spec_disable_utilization if config else None,
+        draft_seconds,
+    )

@@ -27,10 +27,12 @@ def expected(target):
     return _reference(target)
 
 
-def _spec(method: str, k: int, draft) -> dict:
+def _spec(method: str, k: int, draft, mode: str = "always") -> dict:
     # Full windows: the tiny random draft is never confident enough for the default early exit.
+    # "always" keeps k fixed (the auto policy's k depends on measured step times).
     config = {
         "method": method,
+        "mode": mode,
         "num_speculative_tokens": k,
         "prompt_lookup_min": 1,
         "draft_min_confidence": 0.0,
@@ -67,6 +69,21 @@ def test_greedy_speculation_is_lossless(target, random_draft, expected, method, 
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if method == "draft_model":
         assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram+draft_model"])
+def test_greedy_auto_policy_is_lossless(target, random_draft, expected, method):
+    """Under the auto policy k varies per request and step (and the draft model pauses and
+    catches up); the output must still equal plain greedy decoding."""
+    llm = LLM(
+        str(target), dtype="float32", speculative_config=_spec(method, 5, random_draft, "auto")
+    )
+    assert _run(llm) == expected
+    decisions = llm.engine.policy_stats.decisions
+    assert sum(decisions.values()) > 0
+    assert set(decisions) <= {("speculate", "goodput")} | {
+        ("skip", r) for r in ("compute_bound", "low_acceptance")
+    }
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,167 @@
+"""Start-up calibration of the step-time model t(n, context), cached per model, device and dtype.
+
+A forward over n query tokens is timed at a grid of n (1 up to the token budget) with a short
+context, and at a few n with a long one for the context slope. The KV the forwards attend to is
+whatever the borrowed blocks hold: timing does not depend on its values. One warm-up forward runs
+first; each point is the minimum of `repeats` timings (the least disturbed by other work).
+
+The fit is cached as JSON under <cache root>/calibration/, keyed by the model directory, device,
+dtype, torch version and the grid, so only the first start on a machine pays for it (a few seconds
+for a 1.5B model on CPU); SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement (StepTimeModel.observe) starts from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.models.bundled import cache_root
+from engine.runner import ModelRunner, SeqChunk
+from engine.spec.policy import StepTimeModel
+
+logger = logging.getLogger(__name__)
+
+_CALIBRATION_ID = "__calibration__"
+_BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
+_LONG_CONTEXT_NS = (1, 8)
+
+
+def calibration_grid(max_num_batched_tokens: int) -> list[int]:
+    """The n to time: the base grid up to the budget, and the budget itself."""
+    grid = [n for n in _BASE_GRID if n < max_num_batched_tokens]
+    return [*grid, max_num_batched_tokens]
+
+
+def time_forward(
+    runner: ModelRunner, block_manager: BlockManager, n: int, context: int, repeats: int
+) -> float:
+    """Minimum seconds of `repeats` forwards over n tokens after `context` cached positions (one
+    logits row, like a verify of the last tokens). Borrows blocks and returns them."""
+    num_tokens = context + n
+    if not block_manager.allocate_slots(_CALIBRATION_ID, num_tokens):
+        raise RuntimeError(f"calibration needs {num_tokens} KV slots; the pool is too small")
+    try:
+        table = block_manager.get_block_table(_CALIBRATION_ID)
+        chunk = SeqChunk([0] * n, context, table, 1)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward([chunk])
+            _synchronize(runner.device)
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        block_manager.free(_CALIBRATION_ID)
+
+
+def calibrate(
+    runner: ModelRunner,
+    block_manager: BlockManager,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    repeats: int = 2,
+    timer: Callable[[int, int], float] | None = None,
+) -> StepTimeModel:
+    """Time the grid and fit t(n, context). `timer(n, context)` replaces real forwards (tests)."""
+    grid = calibration_grid(min(max_num_batched_tokens, max_model_len))
+    long_context = min(
+        max_model_len // 2, 2048, block_manager.num_blocks * block_manager.block_size // 2
+    )
+    if timer is None:
+
+        def timer(n: int, context: int) -> float:
+            return time_forward(runner, block_manager, n, context, repeats)
+
+        timer(1, 0)  # warm-up: first-call allocations and kernel selection
+    samples = [(n, 0, timer(n, 0)) for n in grid]
+    if (
+        long_context > max(_LONG_CONTEXT_NS)
+        and long_context + max(_LONG_CONTEXT_NS) <= max_model_len
+    ):
+        samples += [(n, long_context, timer(n, long_context)) for n in _LONG_CONTEXT_NS]
+    return StepTimeModel.fit([(n, ctx + n, s) for n, ctx, s in samples], grid)
+
+
+def load_or_calibrate(
+    runner: ModelRunner,
+    block_manager: BlockManager,
+    model_path: Path,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    cache_dir: str | Path | None = None,
+) -> StepTimeModel:
+    """The cached fit for this model, device and dtype, else a fresh calibration (then cached)."""
+    key = _cache_key(runner, model_path, max_num_batched_tokens, max_model_len)
+    path = cache_root(cache_dir) / "calibration" / f"{key}.json"
+    is_cached = os.environ.get("SPECSERVE_CALIBRATION_CACHE", "1") != "0"
+    try:
+        if not is_cached:
+            raise OSError("calibration cache disabled")
+        model = StepTimeModel.from_dict(json.loads(path.read_text()))
+        logger.info("step-time model from %s (knee at %d tokens)", path, model.knee)
+        return model
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    start = time.perf_counter()
+    model = calibrate(runner, block_manager, max_num_batched_tokens, max_model_len)
+    logger.info(
+        "calibrated the step-time model in %.1f s: t(1) = %.1f ms, t(%d) = %.1f ms, knee at %d "
+        "tokens, %.3f us per context token",
+        time.perf_counter() - start,
+        model.predict(1) * 1e3,
+        model.grid[-1],
+        model.predict(model.grid[-1]) * 1e3,
+        model.knee,
+        model.context_coef * 1e6,
+    )
+    if is_cached:
+        _write_atomic(path, json.dumps(model.to_dict()))
+    return model
+
+
+def _cache_key(
+    runner: ModelRunner, model_path: Path, max_num_batched_tokens: int, max_model_len: int
+) -> str:
+    device = runner.device
+    device_name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}-{torch.get_num_threads()}threads"
+    )
+    parts = [
+        str(Path(model_path).resolve()),
+        device_name,
+        str(runner.dtype),
+        torch.__version__,
+        runner.backend.name,
+        str(runner.block_size),
+        str(calibration_grid(max_num_batched_tokens)),
+        str(max_model_len),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache only costs the next start a calibration
+        logger.warning("could not cache the step-time model at %s: %s", path, e)

@@ -1,0 +1,189 @@
+"""The speculation policy at work in the planner and the engine, against a fake step-time model
+(flat to 8 query tokens, then proportional to n): k falls to 0 past the knee and comes back when
+load drops; opt-outs, caps and each operator limit are honoured and counted with their reason;
+a paused draft model catches up exactly; calibration fits what it times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from engine.llm import LLM
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec.calibration import calibrate
+from engine.spec.planner import DraftPlanner
+
+KNEE = 8
+
+
+@dataclass
+class FlatThenLinear:
+    """A forward over 1..KNEE tokens costs one base step; past it, cost grows with n."""
+
+    knee: int = KNEE
+
+    def predict(self, n: int, context: int = 0) -> float:
+        return max(1.0, n / KNEE)
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        """The fake does not learn: the tests control the curve."""
+
+
+@dataclass
+class FixedMonitor:
+    value: float
+
+    def utilization(self, num_step_tokens: int) -> float:
+        return self.value
+
+
+def _requests(num: int, **params) -> list[Request]:
+    return [
+        Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, **params), 64) for i in range(num)
+    ]
+
+
+def _planner(mode: str = "auto", **kw) -> DraftPlanner:
+    return DraftPlanner(mode, 7, ("ngram",), FlatThenLinear(), **kw)
+
+
+def _plan(planner: DraftPlanner, requests: list[Request], room: int = 7) -> list[int]:
+    num = len(requests)
+    return planner.plan([(r, room) for r in requests], num, 100 * num, 256, num)
+
+
+def test_k_falls_to_zero_past_the_knee_and_comes_back() -> None:
+    planner = _planner()
+    requests = _requests(32)
+    totals = {}
+    for batch in [1, 2, 4, 8, 16, 32, 16, 4, 1]:
+        ks = _plan(planner, requests[:batch])
+        totals.setdefault(batch, []).append(sum(ks))
+        if batch >= KNEE:
+            assert ks == [0] * batch
+        else:
+            assert batch + sum(ks) == KNEE  # drafts fill the flat region, no further
+    assert totals[1] == [7, 7] and totals[4] == [4, 4] and totals[16] == [0, 0]
+    stats = planner.stats
+    assert stats.decisions[("skip", "compute_bound")] == 8 + 16 + 32 + 16
+    assert stats.decisions[("speculate", "goodput")] == 1 + 2 + 4 + 4 + 1
+    assert stats.draft_tokens_per_step.count == sum(stats.decisions.values())
+    assert stats.num_requests_decoding == 1 and stats.num_requests_speculating == 1
+
+
+def test_opt_out_and_caps_are_honoured() -> None:
+    planner = _planner()
+    out = _requests(1, speculate=False)[0]
+    capped = _requests(1, max_draft_tokens=2)[0]
+    zero = _requests(1, max_draft_tokens=0)[0]
+    free = _requests(1)[0]
+    ks = planner.plan([(out, 7), (capped, 7), (zero, 7), (free, 3)], 4, 400, 256, 4)
+    assert ks[0] == 0 and ks[2] == 0
+    assert 0 < ks[1] <= 2 and 0 < ks[3] <= 3
+    assert planner.stats.decisions[("skip", "request_opt_out")] == 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_operator_limits_switch_speculation_off_with_their_reason(mode: str) -> None:
+    requests = _requests(4)
+    by_batch = _planner(mode, disable_batch_size=4)
+    assert _plan(by_batch, requests) == [0] * 4
+    assert _plan(by_batch, requests[:3]) != [0] * 3  # below the limit it speculates again
+    assert by_batch.stats.decisions[("skip", "batch_size")] == 4
+    busy = _planner(mode, monitor=FixedMonitor(0.95), disable_utilization=0.9)
+    assert _plan(busy, requests[:1]) == [0]
+    assert busy.stats.decisions == {("skip", "utilization"): 1}
+    idle = _planner(mode, monitor=FixedMonitor(0.5), disable_utilization=0.9)
+    assert _plan(idle, requests[:1]) != [0]
+
+
+def test_modes_off_and_always() -> None:
+    requests = _requests(16)
+    off = _planner("off")
+    assert _plan(off, requests) == [0] * 16
+    assert off.stats.decisions == {("skip", "mode_off"): 16}
+    always = _planner("always")
+    # Fixed K whatever the load, within the budget: 16 decode tokens + 16 x 7 drafts fit in 256.
+    assert _plan(always, requests) == [7] * 16
+    assert always.stats.decisions == {("speculate", "fixed"): 16}
+    tight = always.plan([(r, 7) for r in requests], 16, 1600, 20, 16)
+    assert sum(tight) == 20 and always.stats.decisions[("skip", "budget")] > 0
+
+
+def test_low_acceptance_turns_a_request_off_alone() -> None:
+    planner = _planner(draft_forward_seconds=0.1)
+    bad, good = _requests(2)
+    for _ in range(30):
+        planner.observe_verify(bad, "ngram", 5, 0)
+        planner.observe_verify(good, "ngram", 5, 5)
+    assert planner.plan([(bad, 7), (good, 7)], 2, 200, 256, 2)[0] == 0
+    assert planner.stats.decisions[("skip", "low_acceptance")] == 1
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return tiny_llama
+
+
+def _engine_llm(target, method: str, draft=None, **spec) -> LLM:
+    config = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1, **spec}
+    if draft is not None:
+        config.update(model=str(draft), draft_min_confidence=0.0)
+    return LLM(str(target), dtype="float32", max_num_seqs=32, speculative_config=config)
+
+
+def test_engine_stops_speculating_under_load_and_resumes(target) -> None:
+    llm = _engine_llm(target, "ngram")
+    engine = llm.engine
+    engine.speculator.planner.step_model = FlatThenLinear()
+    repetitive = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("long", repetitive, params)
+    for i in range(15):
+        engine.add_request(f"short{i}", repetitive, SamplingParams(temperature=0, max_tokens=6))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.policy_stats
+        seen.append((stats.num_requests_decoding, stats.num_requests_speculating))
+    assert any(d >= KNEE and s == 0 for d, s in seen)  # loaded: nobody speculates
+    assert any(d == 1 and s == 1 for d, s in seen)  # alone again: "long" speculates
+    assert engine.policy_stats.decisions[("skip", "compute_bound")] > 0
+    assert engine.spec_stats.num_drafts > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_paused_draft_model_catches_up_exactly(target) -> None:
+    """A self-draft accepts every draft. Paused for many steps (opted out of speculation by the
+    batch limit), the draft model must resume with exact KV: still every draft accepted."""
+    llm = _engine_llm(target, "draft_model", draft=target, spec_disable_batch_size=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], params)
+    engine.add_request("b", [2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=15))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats, decisions = engine.spec_stats, engine.policy_stats.decisions
+    assert decisions[("skip", "batch_size")] > 0  # paused while b ran
+    assert decisions.get(("speculate", "goodput"), 0) > 0  # resumed after
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_calibration_fits_what_it_times(target) -> None:
+    llm = _engine_llm(target, "ngram", mode="always")
+    engine = llm.engine
+
+    def fake_timer(n: int, context: int) -> float:
+        return 0.2 * max(1.0, n / 8) + 1e-6 * context
+
+    model = calibrate(
+        engine.runner, engine.block_manager, 64, engine.max_model_len, timer=fake_timer
+    )
+    assert model.knee == 8
+    assert model.predict(4, 0) == pytest.approx(0.2, rel=0.05)
+    assert model.predict(64, 0) == pytest.approx(1.6, rel=0.05)
+    real = calibrate(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1)
+    assert real.predict(1) > 0 and real.grid[-1] == 16
+    assert engine.block_manager.num_used_blocks == 0
