@@ -9,7 +9,9 @@ engine rejects. Mappings that are not one-to-one:
 - A negative seed maps into [0, 2**64) by two's complement.
 - chat `logprobs: true` + `top_logprobs: k` -> `logprobs=k` (0 when absent); completions
   `logprobs: k` -> `logprobs=k`.
-- `speculation` is not a sampling parameter; it stays on the request for the engine bridge.
+- `speculation.enabled` -> `speculate`, `speculation.max_draft_tokens` -> `max_draft_tokens`
+  (absent: speculate, no cap). `speculation.return_stats` is for the response builders:
+  `wants_spec_stats`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import Any, cast, overload
 
 from engine.sampling_params import SamplingParams
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, SpeculationOptions
 
 _SEED_MODULUS = 2**64
 
@@ -41,6 +43,7 @@ def to_sampling_params(
     if top_p == 0.0:
         temperature, top_p = 0.0, 1.0
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    speculation = req.speculation or SpeculationOptions()
     return SamplingParams(
         n=req.n or 1,
         temperature=temperature,
@@ -59,7 +62,15 @@ def to_sampling_params(
         ignore_eos=bool(req.ignore_eos),
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         skip_special_tokens=req.skip_special_tokens is not False,
+        speculate=speculation.enabled,
+        max_draft_tokens=speculation.max_draft_tokens,
     )
+
+
+def wants_spec_stats(req: ChatCompletionRequest | CompletionRequest, server_default: bool) -> bool:
+    """Whether each choice reports `speculative_decoding_stats`: the server's setting turns them
+    on for every request; otherwise the request opts in with `speculation.return_stats`."""
+    return server_default or (req.speculation is not None and req.speculation.return_stats)
 
 
 @overload

@@ -9,7 +9,8 @@ leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
 Decisions: `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
 unsigned 64-bit range by two's complement (`seed % 2**64`), so distinct seeds stay distinct.
-`echo` is rejected (not implemented). Response bodies live in `server/responses.py`.
+`echo` is rejected (not implemented). The `speculation` extension, unlike OpenAI's objects,
+rejects unknown keys. Response bodies live in `server/responses.py`.
 """
 
 from __future__ import annotations
@@ -141,11 +142,18 @@ class ResponseFormat(BaseModel):
 
 
 class SpeculationOptions(BaseModel):
-    """specserve extension: per-request control of speculative decoding."""
+    """specserve extension: per-request control of speculative decoding.
 
-    model_config = _STRICT
+    `enabled: false` opts the request out (it never drafts); `max_draft_tokens` caps the drafts
+    per step (0 is the same as opting out); `return_stats` adds `speculative_decoding_stats` to
+    each choice. Unlike OpenAI's objects, unknown keys are a 400: a misspelt control of our own
+    would otherwise be silently ignored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     enabled: bool = True
     max_draft_tokens: Annotated[int | None, Field(ge=0)] = None
+    return_stats: bool = False
 
 
 class _RequestBase(BaseModel):

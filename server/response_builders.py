@@ -5,6 +5,10 @@ logprobs) and keep their own count of what was already sent, so a stream stays e
 the bridge skips or merges engine outputs. Logprob token strings come from a `TokenDecoder`
 (build one per model). An aborted completion (finish_reason "abort") has no OpenAI form: the
 builders raise ValueError for it, and the route answers with an error instead.
+
+With `include_spec_stats` every choice carries `speculative_decoding_stats` (our extension), read
+from the completion's own counters: on each choice of a response, and in a stream on the chunk
+that carries the choice's finish_reason (the counters are final only then).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.spec.stats import SpecStats
 from server.responses import (
     SYSTEM_FINGERPRINT,
     ChatChoiceLogprobs,
@@ -33,6 +38,7 @@ from server.responses import (
     CompletionTokensDetails,
     FinishReason,
     PromptTokensDetails,
+    SpeculativeDecodingStats,
     TopLogprob,
     Usage,
 )
@@ -82,6 +88,23 @@ def usage_of(outputs: Sequence[RequestOutput]) -> Usage:
     )
 
 
+def spec_stats_of(stats: SpecStats | None) -> SpeculativeDecodingStats:
+    """One completion's speculation counters in the response's words (no counters: zeros)."""
+    stats = stats or SpecStats()
+    return SpeculativeDecodingStats(
+        mean_acceptance_length=stats.mean_acceptance_length,
+        draft_acceptance_rate=stats.acceptance_rate,
+        num_spec_steps=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_draft_tokens=stats.num_accepted_tokens,
+        acceptance_histogram=list(stats.acceptance_histogram),
+    )
+
+
+def _stats_if(include: bool, c: CompletionOutput) -> SpeculativeDecodingStats | None:
+    return spec_stats_of(c.spec_stats) if include else None
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob], tokens: TokenDecoder) -> ChatChoiceLogprobs:
     content = []
     for e in entries:
@@ -120,7 +143,10 @@ def completion_logprobs(
 
 
 def build_chat_response(
-    meta: ResponseMeta, output: RequestOutput, tokens: TokenDecoder
+    meta: ResponseMeta,
+    output: RequestOutput,
+    tokens: TokenDecoder,
+    include_spec_stats: bool = False,
 ) -> ChatCompletionResponse:
     """The body of a finished, non-streamed chat completion."""
     choices = [
@@ -129,6 +155,7 @@ def build_chat_response(
             message=ChatCompletionMessage(content=c.text),
             logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
             finish_reason=finish_reason_of(c.finish_reason or "unfinished"),
+            speculative_decoding_stats=_stats_if(include_spec_stats, c),
         )
         for c in output.outputs
     ]
@@ -143,7 +170,10 @@ def build_chat_response(
 
 
 def build_completion_response(
-    meta: ResponseMeta, outputs: Sequence[RequestOutput], tokens: TokenDecoder
+    meta: ResponseMeta,
+    outputs: Sequence[RequestOutput],
+    tokens: TokenDecoder,
+    include_spec_stats: bool = False,
 ) -> CompletionResponse:
     """The body of finished, non-streamed completions: outputs[p] is prompt p's request."""
     choices = []
@@ -158,6 +188,7 @@ def build_completion_response(
                     text=c.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason_of(c.finish_reason or "unfinished"),
+                    speculative_decoding_stats=_stats_if(include_spec_stats, c),
                 )
             )
     return CompletionResponse(
@@ -196,6 +227,7 @@ class _Stream:
     meta: ResponseMeta
     tokens: TokenDecoder
     include_usage: bool = False
+    include_spec_stats: bool = False
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _last: dict[int, RequestOutput] = field(default_factory=dict)  # by prompt index
 
@@ -231,7 +263,10 @@ class ChatStream(_Stream):
             reason = self._finish(sent, c)
             if reason is not None:
                 choice = ChatCompletionStreamChoice(
-                    index=c.index, delta=ChatCompletionDelta(), finish_reason=reason
+                    index=c.index,
+                    delta=ChatCompletionDelta(),
+                    finish_reason=reason,
+                    speculative_decoding_stats=_stats_if(self.include_spec_stats, c),
                 )
                 chunks.append(self._chunk(choice))
         return chunks
@@ -262,9 +297,14 @@ class CompletionStream(_Stream):
     index. `n` (choices per prompt) numbers choices as prompt_index * n + index."""
 
     def __init__(
-        self, meta: ResponseMeta, tokens: TokenDecoder, n: int = 1, include_usage: bool = False
+        self,
+        meta: ResponseMeta,
+        tokens: TokenDecoder,
+        n: int = 1,
+        include_usage: bool = False,
+        include_spec_stats: bool = False,
     ) -> None:
-        super().__init__(meta, tokens, include_usage)
+        super().__init__(meta, tokens, include_usage, include_spec_stats)
         self.n = n
 
     def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[CompletionChunk]:
@@ -281,7 +321,11 @@ class CompletionStream(_Stream):
             if c.logprobs is not None and sent.offsets is not None:
                 logprobs = completion_logprobs(entries, self.tokens, sent.offsets)
             choice = CompletionStreamChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=reason
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=reason,
+                speculative_decoding_stats=_stats_if(self.include_spec_stats and bool(reason), c),
             )
             chunks.append(self._chunk([choice]))
         return chunks

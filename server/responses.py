@@ -3,6 +3,9 @@
 Field names and `object` literals follow the official OpenAPI spec; the unit tests validate the
 serialized models against its JSON schemas. Logprobs are always finite: JSON has no -inf, so a
 non-finite logprob becomes -9999.0, the value OpenAI documents for "very unlikely".
+
+Our one extension, `speculative_decoding_stats` on a choice, is serialized only when set: a client
+that did not opt in gets exactly the OpenAI shape (the key absent, not null).
 """
 
 from __future__ import annotations
@@ -50,6 +53,41 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
 
 
+# --- specserve extension: per-choice speculation stats ---
+
+
+class SpeculativeDecodingStats(BaseModel):
+    """How speculation went for one choice (opt-in: `speculation.return_stats` or the server's
+    `speculation_stats` setting). A "spec step" is a verify step with at least one draft token.
+
+    mean_acceptance_length: tokens emitted per spec step (accepted drafts + the recovered or bonus
+    token), 1 + num_accepted_draft_tokens / num_spec_steps; 0.0 when there was no spec step, so
+    "never speculated" (0.0) reads differently from "speculated, accepted nothing" (1.0).
+    draft_acceptance_rate: num_accepted_draft_tokens / num_draft_tokens (0.0 without drafts).
+    acceptance_histogram[a]: spec steps that accepted exactly a drafts; it sums to num_spec_steps
+    and is as long as the largest a seen, plus one ([] without spec steps).
+    """
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    acceptance_histogram: list[int]
+
+
+class _Choice(BaseModel):
+    """A choice whose `speculative_decoding_stats` (declared last by each subclass, so the key
+    comes last) is left out of the JSON while unset."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_stats(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("speculative_decoding_stats") is None:
+            data.pop("speculative_decoding_stats", None)
+        return data
+
+
 # --- chat completions ---
 
 
@@ -82,13 +120,14 @@ class ChatCompletionMessage(BaseModel):
     refusal: str | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_Choice):
     """One of the n replies."""
 
     index: int
     message: ChatCompletionMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None  # extension
 
 
 class ChatCompletionResponse(BaseModel):
@@ -114,13 +153,14 @@ class ChatCompletionDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    """One choice inside a chunk."""
+class ChatCompletionStreamChoice(_Choice):
+    """One choice inside a chunk; speculation stats ride on the one with the finish_reason."""
 
     index: int
     delta: ChatCompletionDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None  # extension
 
 
 class ChatCompletionChunk(BaseModel):
@@ -149,13 +189,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Choice):
     """One completion of one prompt (index = prompt_index * n + completion index)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None  # extension
 
 
 class CompletionResponse(BaseModel):
@@ -170,13 +211,15 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
-class CompletionStreamChoice(BaseModel):
-    """A choice inside a completion chunk: finish_reason is null until the last one."""
+class CompletionStreamChoice(_Choice):
+    """A choice inside a completion chunk: finish_reason is null until the last one, which also
+    carries the speculation stats when asked."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None  # extension
 
 
 class CompletionChunk(BaseModel):

@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from server.engine_inputs import prediction_of, prompt_of, to_sampling_params
+from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.errors import (
     from_value_error,
     invalid_request,
@@ -129,11 +129,12 @@ async def chat_completions(request: Request) -> Response:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     meta = ResponseMeta.new("chatcmpl", state.settings.model_name)
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction_of(req))
+    spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
     if req.stream:
-        builder = ChatStream(meta, state.tokens, _include_usage(req))
+        builder = ChatStream(meta, state.tokens, _include_usage(req), spec_stats)
         return SSEResponse(stream_events(streams, builder, _splitter(request)))
     (output,) = await _final(request, streams)
-    return _json(build_chat_response(meta, output, state.tokens))
+    return _json(build_chat_response(meta, output, state.tokens, spec_stats))
 
 
 @router.post("/v1/completions")
@@ -146,11 +147,12 @@ async def completions(request: Request) -> Response:
     meta = ResponseMeta.new("cmpl", state.settings.model_name)
     ids = [meta.id] if len(prompts) == 1 else [f"{meta.id}-{i}" for i in range(len(prompts))]
     streams = await _open(request, engine, ids, prompts, params, None)
+    spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
     if req.stream:
-        builder = CompletionStream(meta, state.tokens, params.n, _include_usage(req))
+        builder = CompletionStream(meta, state.tokens, params.n, _include_usage(req), spec_stats)
         return SSEResponse(stream_events(streams, builder, _splitter(request)))
     outputs = await _final(request, streams)
-    return _json(build_completion_response(meta, outputs, state.tokens))
+    return _json(build_completion_response(meta, outputs, state.tokens, spec_stats))
 
 
 # --------------------------------------------------------------------------- helpers

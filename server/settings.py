@@ -61,7 +61,9 @@ class Settings(BaseModel):
     shutdown_timeout: Annotated[float, Field(ge=0)] = 30.0
     max_body_bytes: Annotated[int, Field(ge=1)] = 4 << 20
     stream_one_token_per_chunk: bool = False
+    speculation_stats: bool = False  # every choice reports speculative_decoding_stats
     log_level: LogLevel = "info"
+    log_stats_interval: Annotated[float, Field(ge=0)] = 10.0  # seconds; 0: no stats log line
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -104,7 +106,7 @@ class Settings(BaseModel):
 
 
 FIELDS = tuple(Settings.model_fields)
-_BOOL_FLAGS = {"enable_prefix_caching", "stream_one_token_per_chunk"}
+_BOOL_FLAGS = {"enable_prefix_caching", "stream_one_token_per_chunk", "speculation_stats"}
 _FLAG_HELP = {
     "model": "bundled model name, Hugging Face directory or .gguf file",
     "served_model_name": "the name clients send as `model` (default: --model)",
@@ -114,7 +116,9 @@ _FLAG_HELP = {
     "shutdown_timeout": "seconds in-flight requests may finish after SIGTERM",
     "max_queue": "requests that may wait for admission before new ones get 429",
     "max_body_bytes": "largest request body accepted (413 above)",
+    "log_stats_interval": "seconds between engine stats log lines (0: none)",
     "stream_one_token_per_chunk": "send one SSE chunk per token, not one per engine step",
+    "speculation_stats": "add speculative_decoding_stats to every choice (else per request)",
 }
 
 

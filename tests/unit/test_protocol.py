@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.spec.stats import SpecStats
 from server import errors, protocol
-from server.engine_inputs import prediction_of, prompt_of, to_sampling_params
+from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from server.response_builders import (
     ChatStream,
@@ -219,6 +219,20 @@ CHAT_CASES = [
         {"speculation": {"max_draft_tokens": -1}},
         "speculation.max_draft_tokens",
     ),
+    (
+        "speculation-max-float",
+        {"speculation": {"max_draft_tokens": 2.0}},
+        "speculation.max_draft_tokens",
+    ),
+    (
+        "speculation-max-bool",
+        {"speculation": {"max_draft_tokens": True}},
+        "speculation.max_draft_tokens",
+    ),
+    ("speculation-stats-str", {"speculation": {"return_stats": "yes"}}, "speculation.return_stats"),
+    ("speculation-unknown-key", {"speculation": {"max_drafts": 2}}, "speculation.max_drafts"),
+    ("speculation-not-object", {"speculation": True}, "speculation"),
+    ("speculation-list", {"speculation": [{"enabled": False}]}, "speculation"),
 ]
 COMPLETION_CASES = [
     ("prompt-empty", {"prompt": ""}, "prompt"),
@@ -237,6 +251,17 @@ COMPLETION_CASES = [
     ("completion-logprobs-bool", {"logprobs": True}, "logprobs"),
     ("completion-max-tokens", {"max_tokens": 1.5}, "max_tokens"),
     ("completion-n-str", {"n": "2"}, "n"),
+    (
+        "completion-speculation-neg",
+        {"speculation": {"max_draft_tokens": -3}},
+        "speculation.max_draft_tokens",
+    ),
+    (
+        "completion-speculation-unknown",
+        {"speculation": {"enabled": False, "stats": True}},
+        "speculation.stats",
+    ),
+    ("completion-speculation-enabled-int", {"speculation": {"enabled": 0}}, "speculation.enabled"),
 ]
 NAN_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
 # Whole bodies that are wrong, sent raw (or, for the list, already decoded).
@@ -364,8 +389,9 @@ def test_chat_request_to_sampling_params():
     assert (params.top_k, params.min_p, params.repetition_penalty) == (40, 0.05, 1.1)
     assert (params.min_tokens, params.ignore_eos, params.stop_token_ids) == (2, True, (9,))
     assert params.skip_special_tokens is False
-    assert req.speculation is not None and req.speculation.enabled is False
-    assert req.speculation.max_draft_tokens == 0
+    assert (params.speculate, params.max_draft_tokens) == (False, 0)
+    assert not wants_spec_stats(req, server_default=False)
+    assert wants_spec_stats(req, server_default=True)
 
 
 def test_defaults_and_single_mappings():
@@ -389,6 +415,28 @@ def test_defaults_and_single_mappings():
     assert params_of(temperature=1).temperature == 1.0  # a JSON integer is a fine number
     greedy = params_of(top_p=0, temperature=0.8)
     assert (greedy.temperature, greedy.top_p, greedy.is_greedy) == (0.0, 1.0, True)
+    assert (params.speculate, params.max_draft_tokens) == (True, None)
+    capped = params_of(speculation={"max_draft_tokens": 2})
+    assert (capped.speculate, capped.max_draft_tokens) == (True, 2)
+    assert params_of(speculation={"enabled": False}).speculate is False
+    assert params_of(speculation=None).speculate is True
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_spec_stats_are_opt_in(model):
+    base = CHAT if model is ChatCompletionRequest else COMPLETION
+    opted_in = parse_request(model, _body(base, speculation={"return_stats": True}))
+    assert opted_in.speculation is not None and opted_in.speculation.enabled is True
+    assert wants_spec_stats(opted_in, server_default=False)
+    for speculation in (DROP, None, {}, {"enabled": True, "return_stats": False}):
+        req = parse_request(model, _body(base, speculation=speculation))
+        assert not wants_spec_stats(req, server_default=False)
+        assert wants_spec_stats(req, server_default=True)
+    params = to_sampling_params(
+        parse_request(model, _body(base, speculation={"enabled": False, "max_draft_tokens": 3})),
+        default_max_tokens=None,
+    )
+    assert (params.speculate, params.max_draft_tokens) == (False, 3)
 
 
 @pytest.mark.parametrize(
@@ -457,14 +505,15 @@ def test_unknown_fields_are_tolerated_and_listed():
         messages=[USER, {"role": "assistant", "content": "x", "refusal": None}],
         store=True,
         reasoning_effort="low",
-        speculation={"enabled": True, "mystery": 1},
+        stream=True,
+        stream_options={"include_usage": True, "mystery": 1},
     )
     req = parse_request(ChatCompletionRequest, body)
     assert sorted(protocol.unknown_fields(req)) == [
         "messages.1.refusal",
         "reasoning_effort",
-        "speculation.mystery",
         "store",
+        "stream_options.mystery",
     ]
     assert protocol.unknown_fields(parse_request(ChatCompletionRequest, CHAT)) == []
 
@@ -685,6 +734,94 @@ def test_completion_stream_matches_spec_and_adds_up(validators, byte_level):
     assert offsets == TextOffsets(tokens).advance(byte_level.encode(TEXT, add_special_tokens=False))
     final = _check(validators["CompletionChunk"], stream.usage_chunk())
     assert final["choices"] == [] and final["usage"]["total_tokens"] == 6 + len(offsets)
+
+
+def _spec(records: list[tuple[int, int]]) -> SpecStats:
+    """Counters after verify steps of (draft tokens, accepted drafts)."""
+    stats = SpecStats()
+    for num_draft_tokens, num_accepted in records:
+        stats.record(num_draft_tokens, num_accepted, "ngram")
+    return stats
+
+
+def _with_spec(outputs: list[RequestOutput], by_index: list[SpecStats | None]) -> None:
+    for output in outputs:
+        for c in output.outputs:
+            c.spec_stats = by_index[c.index]
+
+
+# Choice 0: 4 verify steps accepting 4, 1, 0, 1 of 4, 4, 3, 4 drafts; choice 1 never drafted.
+SPEC_RECORDS = [(4, 4), (4, 1), (3, 0), (4, 1)]
+SPEC_0 = {
+    "mean_acceptance_length": 2.5,  # 1 + 6 / 4
+    "draft_acceptance_rate": 0.4,  # 6 / 15
+    "num_spec_steps": 4,
+    "num_draft_tokens": 15,
+    "num_accepted_draft_tokens": 6,
+    "acceptance_histogram": [1, 2, 0, 0, 1],
+}
+SPEC_NONE = {
+    "mean_acceptance_length": 0.0,
+    "draft_acceptance_rate": 0.0,
+    "num_spec_steps": 0,
+    "num_draft_tokens": 0,
+    "num_accepted_draft_tokens": 0,
+    "acceptance_histogram": [],
+}
+
+
+def test_spec_stats_on_each_choice_only_when_asked(validators, byte_level):
+    tokens = TokenDecoder(byte_level)
+    output = _output(byte_level, TEXT, n=2)
+    _with_spec([output], [_spec(SPEC_RECORDS), None])
+    name = "CreateChatCompletionResponse"
+    body = _check(validators[name], build_chat_response(META, output, tokens, True))
+    assert [c["speculative_decoding_stats"] for c in body["choices"]] == [SPEC_0, SPEC_NONE]
+    body = _check(validators[name], build_chat_response(META, output, tokens))
+    assert all("speculative_decoding_stats" not in c for c in body["choices"])
+
+    outputs = [_output(byte_level, TEXT, n=2), _output(byte_level, "hi", n=2)]
+    _with_spec(outputs, [SpecStats(), _spec(SPEC_RECORDS)])
+    name = "CreateCompletionResponse"
+    body = _check(validators[name], build_completion_response(CMPL_META, outputs, tokens, True))
+    found = [c["speculative_decoding_stats"] for c in body["choices"]]
+    assert found == [SPEC_NONE, SPEC_0, SPEC_NONE, SPEC_0]
+    body = _check(validators[name], build_completion_response(CMPL_META, outputs, tokens))
+    assert all("speculative_decoding_stats" not in c for c in body["choices"])
+
+
+@pytest.mark.parametrize("include_spec_stats", [False, True])
+def test_streams_send_spec_stats_with_the_finish_reason(validators, byte_level, include_spec_stats):
+    tokens = TokenDecoder(byte_level)
+    steps = _steps(byte_level, TEXT, [1, 3, 2], n=2)
+    _with_spec(steps, [_spec(SPEC_RECORDS), SpecStats()])
+    expected = [SPEC_0, SPEC_NONE]
+    chat = ChatStream(META, tokens, include_spec_stats=include_spec_stats)
+    bodies = [
+        _check(validators["CreateChatCompletionStreamResponse"], chunk)
+        for step in steps
+        for chunk in chat.chunks(step)
+    ]
+    completion = CompletionStream(CMPL_META, tokens, n=2, include_spec_stats=include_spec_stats)
+    bodies += [
+        _check(validators["CompletionChunk"], chunk)
+        for step in steps
+        for chunk in completion.chunks(step, prompt_index=1)
+    ]
+    choices = [b["choices"][0] for b in bodies]
+    with_stats = [c for c in choices if "speculative_decoding_stats" in c]
+    if not include_spec_stats:
+        assert with_stats == []
+        return
+    # One per choice per stream, on the chunk with the finish reason; completions index 2 + i.
+    assert [(c["index"], c["finish_reason"]) for c in with_stats] == [
+        (0, "stop"),
+        (1, "stop"),
+        (2, "stop"),
+        (3, "stop"),
+    ]
+    assert [c["speculative_decoding_stats"] for c in with_stats] == expected * 2
+    assert sum(c["finish_reason"] is not None for c in choices) == 4
 
 
 def test_models_and_errors_match_spec(validators):
