@@ -18,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.metrics import EngineMetrics
 from engine.models.bundled import resolve_model
 from engine.output_processor import RequestGroup, append_tokens, new_group
 from engine.outputs import RequestOutput
@@ -81,6 +82,7 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         # Seeds for requests that bring none: reproducible from the engine's own seed.
         self._seeds = random.Random(config.seed)
+        self.metrics = EngineMetrics()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -176,6 +178,7 @@ class LLMEngine:
         return True
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.metrics.record_finished(request, status.value, time.monotonic())
         self.scheduler.finish(request, status)
         self.speculator.free(request)
 
@@ -201,7 +204,11 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
+        self._record_scheduled(schedule)
+        draft_time = self.speculator.stats.draft_time
         drafts = self.speculator.propose(schedule.scheduled)
+        if any(s.num_draft_tokens for s in schedule.scheduled):
+            self.metrics.draft_time.observe(self.speculator.stats.draft_time - draft_time)
         start = time.perf_counter()
         chunks, items = self._build_batch(schedule, drafts)
         logits = self.runner.forward(chunks)
@@ -209,9 +216,23 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         if drafts:
             self.speculator.stats.verify_time += seconds
+            self.metrics.verify_time.observe(seconds)
         # The policy's step-time model learns from every measured forward.
         self.speculator.observe_step(chunks, seconds)
         return self._update(schedule, chunks, drafts, results)
+
+    def _record_scheduled(self, schedule: SchedulerOutput) -> None:
+        """Queue times of sequences scheduled for the first time; a user request's prompt
+        tokens count once, with the first of its sequences."""
+        now = 0.0
+        for s in schedule.scheduled:
+            request = s.request
+            if request.first_scheduled_time is not None:
+                continue
+            now = now or time.monotonic()
+            group = self._groups[request.request_id.rpartition("#")[0]]
+            is_first = all(r.first_scheduled_time is None for r in group.requests)
+            self.metrics.record_scheduled(request, now, is_first)
 
     def _build_batch(
         self, schedule: SchedulerOutput, drafts: dict[str, Draft]
@@ -263,9 +284,11 @@ class LLMEngine:
         self, s: ScheduledRequest, chunk: SeqChunk, result: StepTokens, draft: Draft | None
     ) -> None:
         request = s.request
+        num_old = request.num_output_tokens
         status, num_dropped = append_tokens(
             request, result.token_ids, result.logprobs, self.eos_token_ids, self.max_model_len
         )
+        self.metrics.record_tokens(request, request.num_output_tokens - num_old, time.monotonic())
         if draft is not None:
             num_cut = min(num_dropped, result.num_accepted)
             self.speculator.stats.record(
@@ -275,6 +298,8 @@ class LLMEngine:
                 result.num_draft_tokens, result.num_accepted, draft.source, num_cut
             )
             self.speculator.observe_verify(request, draft, result.num_accepted)
+        else:
+            self.speculator.observe_plain(request)
         # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back
         # (and so do accepted ones a stop condition cut off).
         num_computed = min(

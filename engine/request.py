@@ -78,7 +78,10 @@ class Request:
         self.sampling_seed = params.seed if params.seed is not None else (sampling_seed or 0)
         self.detokenizer: Any = None  # set by the engine when a tokenizer is present
         self.output_text = ""
+        # time.monotonic() stamps, like arrival_time (the engine's metrics set them).
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         # OpenAI Predicted Outputs: the client's guess of the output, a draft source.
         self.prediction_token_ids: tuple[int, ...] = ()
         self.spec_stats = SpecStats()

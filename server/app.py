@@ -3,6 +3,7 @@
 Lifespan: at start-up the engine loads in a worker thread (GET /health answers 503 "loading"
 meanwhile) and its `AsyncEngine` loop starts; at shutdown (uvicorn's, e.g. on SIGTERM) admission
 stops, in-flight requests get up to `shutdown_timeout` seconds, and what is left is aborted.
+Meanwhile a background task logs the engine's stats every `log_stats_interval` seconds.
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
 of `scope["path"]`, so nothing rebuilt from the Host header decides what is public), and the
@@ -28,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import LLMEngine
-from server.async_engine import AsyncEngine
+from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
     INVALID_REQUEST,
     OpenAIError,
@@ -38,7 +39,7 @@ from server.errors import (
     not_found,
     request_too_large,
 )
-from server.metrics import new_registry
+from server.metrics import EngineSnapshot, format_stats_line, new_registry, read_snapshot
 from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
@@ -91,9 +92,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         _serve(app, state.given_engine)
     else:
         loader = asyncio.ensure_future(_load_engine(app))
+    interval = state.settings.log_stats_interval
+    stats_log = asyncio.ensure_future(_log_stats(app, interval)) if interval > 0 else None
     try:
         yield
     finally:
+        if stats_log is not None:
+            stats_log.cancel()
+            await asyncio.gather(stats_log, return_exceptions=True)
         if loader is not None and not loader.done():
             loader.cancel()  # the loading thread runs on, but its engine is never served
             await asyncio.gather(loader, return_exceptions=True)
@@ -117,6 +123,33 @@ async def _load_engine(app: FastAPI) -> None:
         stop: Callable[[], None] | None = app.state.stop_server
         if stop is not None:
             stop()
+
+
+async def _log_stats(app: FastAPI, interval: float) -> None:
+    """Every `interval` seconds, one log line of the engine's numbers over that interval (none
+    while the engine is idle or not serving). The snapshot is read between steps, like /metrics."""
+    previous: EngineSnapshot | None = None
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        engine: AsyncEngine | None = app.state.async_engine
+        if engine is None or not engine.is_alive:
+            continue
+        try:
+            current = await engine.call(read_snapshot)
+        except EngineDeadError:
+            continue
+        except Exception:
+            logger.exception("reading the engine stats failed: no more stats log lines")
+            return
+        now = time.monotonic()
+        num_old_tokens = previous.num_generation_tokens if previous else 0
+        is_idle = current.num_generation_tokens == num_old_tokens and not (
+            current.num_running or current.num_waiting
+        )
+        if not is_idle:
+            logger.info("%s", format_stats_line(previous, current, now - last))
+        previous, last = current, now
 
 
 def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:

@@ -21,7 +21,7 @@ from engine.spec.calibration import load_or_calibrate, time_forward
 from engine.spec.config import SpeculativeConfig
 from engine.spec.planner import DraftPlanner
 from engine.spec.policy import StepTimeModel
-from engine.spec.proposer import Draft, Proposer, make_proposer
+from engine.spec.proposer import Draft, LookupProposer, Proposer, make_proposer
 from engine.spec.stats import PolicyStats, SpecStats
 
 # Draft length for predicted outputs when no speculative config sets one: a prediction is
@@ -49,6 +49,9 @@ class Speculator:
         self.num_tokens = config.num_speculative_tokens if config else DEFAULT_PREDICTION_TOKENS
         self.stats = SpecStats()
         self.planner = _make_planner(config, context, self.num_tokens, self.chain)
+        # Proposers without a model of their own: drafting from them costs next to nothing.
+        self.lookups = [p for p in self.chain if isinstance(p, LookupProposer)]
+        self._shadows: dict[str, tuple[int, Draft]] = {}  # request id -> (position, draft)
 
     @property
     def policy_stats(self) -> PolicyStats:
@@ -86,12 +89,42 @@ class Speculator:
             # Called even with nothing pending: a draft model catches up every step.
             self._ask(proposer, pending, drafts)
             pending = [(r, k) for r, k in pending if r.request_id not in drafts]
+        if self.planner.mode == "auto":
+            self._shadow_drafts(scheduled)
         seconds = time.perf_counter() - start
         self.stats.draft_time += seconds
         if drafts:
             # Drafting k tokens takes about k sequential draft forwards (lookup: ~free).
             self.planner.observe_draft_time(seconds, max(len(d.token_ids) for d in drafts.values()))
         return drafts
+
+    def _shadow_drafts(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """A decoding request the policy kept from speculating still gets a one-token draft
+        from a lookup proposer (free to compute, never verified). Its next token tells whether
+        the draft would have been accepted — with one-hot drafts the verifier accepts exactly
+        when the sampled token matches — so its acceptance estimate keeps learning while it is
+        paused, and a request whose text turns predictable is switched back on."""
+        self._shadows.clear()
+        for s in scheduled:
+            request = s.request
+            if s.num_draft_tokens or s.num_new_tokens != 1 or not request.num_output_tokens:
+                continue
+            sources = [self.prediction] if request.prediction_token_ids else self.lookups
+            for proposer in sources:
+                draft = proposer.propose([request], [1])[0]
+                if draft is not None:
+                    self._shadows[request.request_id] = (request.num_tokens, draft)
+                    break
+
+    def observe_plain(self, request: Request) -> None:
+        """A step without a draft for the request: settle its shadow draft, if any."""
+        shadow = self._shadows.pop(request.request_id, None)
+        if shadow is None:
+            return
+        position, draft = shadow
+        if position < request.num_tokens:
+            is_accepted = request.all_token_ids[position] == draft.token_ids[0]
+            self.planner.observe_verify(request, draft.source, 1, int(is_accepted))
 
     @staticmethod
     def _ask(
@@ -117,6 +150,7 @@ class Speculator:
         for proposer in (self.prediction, *self.chain):
             proposer.free(request)
         self.planner.forget(request)
+        self._shadows.pop(request.request_id, None)
 
 
 def _make_planner(
