@@ -89,8 +89,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sits in cache: F.linear reads them at ~19-20 GB/s for 1 to 16 rows; torch.mv (one row) at
     ~26 GB/s; and weight @ x.T (the weight as the left operand) at ~25 GB/s for 2 to 16 rows and
     still ahead of F.linear up to a 256-token prefill chunk. Decode and verify steps are exactly
-    these shapes, so they read the weights ~1.3x faster."""
-    if x.device.type != "cpu":
+    these shapes, so they read the weights ~1.3x faster. float32 is left to F.linear past one
+    row: there the transposed product was 2.5x slower at 2 rows (SmolLM2's shapes)."""
+    if x.device.type != "cpu" or (x.dtype == torch.float32 and x.shape[0] > 1):
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:
         out = torch.mv(weight, x[0])

@@ -27,7 +27,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.models.bundled import cache_root
 from engine.runner import ModelRunner, SeqChunk
-from engine.spec.policy import StepTimeModel
+from engine.spec.policy import StepTimeModel, pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +80,27 @@ def calibrate(
     if timer is None:
 
         def timer(n: int, context: int) -> float:
-            return time_forward(runner, block_manager, n, context, repeats)
+            return time_forward(runner, block_manager, n, context, 1)
 
         timer(1, 0)  # warm-up: first-call allocations and kernel selection
-    samples = [(n, 0, timer(n, 0)) for n in grid]
-    if (
-        long_context > max(_LONG_CONTEXT_NS)
-        and long_context + max(_LONG_CONTEXT_NS) <= max_model_len
-    ):
-        samples += [(n, long_context, timer(n, long_context)) for n in _LONG_CONTEXT_NS]
-    return StepTimeModel.fit([(n, ctx + n, s) for n, ctx, s in samples], grid)
+    # Two passes over the grid, keeping each point's minimum: a burst of other work on the
+    # machine then spoils one timing of a point, not a whole region of the curve.
+    short = {n: timer(n, 0) for n in grid}
+    for _ in range(repeats - 1):
+        for n in grid:
+            short[n] = min(short[n], timer(n, 0))
+    context_coef = 0.0
+    ns = [n for n in _LONG_CONTEXT_NS if n in short]
+    if ns and long_context > 0 and long_context + max(ns) <= max_model_len:
+        # The model's context counts every KV token read, the query's own included, so the
+        # slope comes from the same n at two contexts (the grid alone cannot separate them).
+        slopes = [
+            (min(timer(n, long_context), timer(n, long_context)) - short[n]) / long_context
+            for n in ns
+        ]
+        context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
+    values = [short[n] - context_coef * n for n in grid]
+    return StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
 
 
 def load_or_calibrate(

@@ -92,7 +92,7 @@ class StepTimeModel:
         counts = [
             sum(w[j] for w in (_hat_weights(grid, n) for n, _, _ in rows)) for j in range(len(grid))
         ]
-        values = _pool_adjacent_violators(solution[: len(grid)], counts)
+        values = pool_adjacent_violators(solution[: len(grid)], counts)
         return cls(grid, values, context_coef, **kw)
 
     def predict(self, n: int, context: int = 0) -> float:
@@ -173,7 +173,7 @@ def _non_decreasing(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _pool_adjacent_violators(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+def pool_adjacent_violators(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     """The weighted least-squares non-decreasing fit to values (isotonic regression)."""
     blocks: list[list[float]] = []  # [mean, weight, size]
     for v, w in zip(values, weights, strict=True):

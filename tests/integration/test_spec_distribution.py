@@ -155,13 +155,20 @@ def _predictions(probs: dict[tuple[int, ...], torch.Tensor], num: int) -> list[l
 
 
 def _engine(setup: Setup, method: str) -> LLMEngine:
-    # Predicted outputs need no speculative config: the requests carry their drafts.
+    # Predicted outputs need no speculative config: the requests carry their drafts. Mode
+    # "always" drafts every step, so every sample exercises the rejection sampler.
     spec: dict[str, object] | None = None
     if method == "draft_model":
-        spec = dict(method=method, num_speculative_tokens=NUM_SPEC_TOKENS, model=str(setup.draft))
+        spec = dict(
+            method=method,
+            mode="always",
+            num_speculative_tokens=NUM_SPEC_TOKENS,
+            model=str(setup.draft),
+        )
     elif method == "ngram":
         spec = dict(
             method=method,
+            mode="always",
             num_speculative_tokens=NUM_SPEC_TOKENS,
             prompt_lookup_min=1,
             prompt_lookup_max=2,
