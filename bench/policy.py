@@ -1,0 +1,428 @@
+"""The speculation policy over HTTP: modes off / always / auto side by side in one run.
+
+For each mode the bench writes a copy of the config with `speculative_config.mode` set, starts
+`specserve serve` on a free port, waits for /health, warms up with one request, then sweeps the
+concurrency: c closed-loop streaming clients, each sending --requests-per-client chat requests
+(greedy, --max-tokens) drawn round-robin from a mixed code-edit + open-chat workload
+(bench/policy_workload.py). Per (mode, c): total tokens/s (completion tokens over the level's
+wall time), TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of
+one step) and the share of the policy's per-request decisions that speculated (/metrics deltas).
+Then, on the same server, a code-edit-only level at concurrency 1. The server is stopped
+(SIGTERM) before the next mode. The server runs with max_num_seqs >= the largest concurrency.
+
+Prints a markdown table, "auto vs best(off, always)" per concurrency and whether the targets
+hold (auto within 3% of the best at every c; code edit at c=1: auto >= 1.5x off); writes JSON
+(--out) and a PNG (--plot, needs the `bench` extra: matplotlib).
+
+    python bench/policy.py [--config configs/default.yaml] [--modes off,always,auto]
+        [--concurrency 1,2,4,8,16,32] [--requests-per-client 2] [--max-tokens 96]
+    python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2: about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # already first when run as a script
+    sys.path.insert(0, str(ROOT / "bench"))
+
+from policy_workload import (  # noqa: E402
+    WORKLOADS,
+    ChatStreamReader,
+    LevelResult,
+    RequestResult,
+    decision_counts,
+    parse_prometheus,
+    speculating_share,
+    summarize_level,
+)
+
+logger = logging.getLogger("bench.policy")
+
+SMOKE = {
+    "config": "configs/smollm2-cpu.yaml",
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 5},
+    "concurrency": [1, 2],
+    "requests_per_client": 1,
+    "max_tokens": 16,
+    "out": "bench/results/policy-smoke.json",
+    "plot": "bench/results/policy-smoke.png",
+}
+AUTO_TOLERANCE = 0.03  # auto may trail the better fixed mode by this much
+CODE_EDIT_TARGET = 1.5  # auto over off, code edit at concurrency 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """What one run measures, resolved from the flags."""
+
+    config: dict[str, Any]
+    modes: tuple[str, ...]
+    concurrency: tuple[int, ...]
+    requests_per_client: int
+    max_tokens: int
+    is_code_edit_c1: bool
+    burst_gap: float
+    startup_timeout: float
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def server_config(base: dict[str, Any], mode: str, max_num_seqs: int) -> dict[str, Any]:
+    """A copy of the YAML config that serves `mode`, one SSE chunk per token, and admits
+    `max_num_seqs` requests at once (at least the config's)."""
+    engine = dict(base.get("engine") or {})
+    spec = engine.get("speculative_config")
+    if not spec:
+        raise SystemExit("bench/policy.py: the config has no engine.speculative_config to vary.")
+    engine["speculative_config"] = {**spec, "mode": mode}
+    engine["max_num_seqs"] = max(int(engine.get("max_num_seqs", 16)), max_num_seqs)
+    server = {**(base.get("server") or {}), "host": "127.0.0.1"}
+    server["stream_one_token_per_chunk"] = True  # one arrival time per token
+    return {"engine": engine, "server": server}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[str]:
+    """Start `specserve serve` on `config`, yield its base URL once /health is 200, stop it."""
+    with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
+        config_path, log_path = Path(tmp) / "config.yaml", Path(tmp) / "server.log"
+        config_path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        command = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
+        command += ["--port", str(port), "--log-level", "warning"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, startup_timeout, log_path)
+            yield url
+        finally:
+            stop_server(proc)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- the clients
+
+
+async def stream_request(
+    client: httpx.AsyncClient, body: dict[str, Any], prompt_index: int
+) -> RequestResult:
+    """One streamed chat completion; a failure becomes a result with `error` set."""
+    sent_at = time.perf_counter()
+    reader = ChatStreamReader(sent_at)
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
+            async for line in response.aiter_lines():
+                reader.feed(line, time.perf_counter())
+        if not reader.is_done:
+            raise RuntimeError("the stream ended without [DONE]")
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, the level goes on
+        now = time.perf_counter()
+        return dataclasses.replace(reader.result(prompt_index, now), error=str(e))
+    return reader.result(prompt_index, time.perf_counter())
+
+
+async def run_level(
+    url: str, model: str, prompts: Sequence[str], concurrency: int, settings: BenchSettings
+) -> tuple[list[RequestResult], float, float | None]:
+    """c closed-loop clients; client i sends requests i, i + c, i + 2c, ... Returns the
+    results, the wall time and the share of decisions that speculated."""
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
+    headers = auth_headers(settings.config)
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
+    ) as client:
+
+        async def one_client(i: int) -> list[RequestResult]:
+            results = []
+            for j in range(settings.requests_per_client):
+                index = (j * concurrency + i) % len(prompts)
+                body = chat_body(model, prompts[index], settings.max_tokens)
+                results.append(await stream_request(client, body, index))
+            return results
+
+        before = decision_counts(parse_prometheus((await client.get("/metrics")).text))
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
+        wall = time.perf_counter() - start
+        after = decision_counts(parse_prometheus((await client.get("/metrics")).text))
+    return [r for rs in per_client for r in rs], wall, speculating_share(before, after)
+
+
+def chat_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def auth_headers(config: dict[str, Any]) -> dict[str, str]:
+    key = os.environ.get("SPECSERVE_API_KEY") or (config.get("server") or {}).get("api_key")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def bench_mode(mode: str, settings: BenchSettings) -> list[LevelResult]:
+    """Every level of one mode on one server."""
+    config = server_config(settings.config, mode, max(settings.concurrency))
+    levels = [("mixed", c) for c in settings.concurrency]
+    levels += [("code_edit", 1)] if settings.is_code_edit_c1 else []
+    results = []
+    with running_server(config, settings.startup_timeout) as url:
+        model = httpx.get(f"{url}/v1/models", headers=auth_headers(config)).json()["data"][0]["id"]
+        one = dataclasses.replace(settings, requests_per_client=1)
+        warmup, _, _ = asyncio.run(run_level(url, model, WORKLOADS["mixed"]()[:1], 1, one))
+        if warmup[0].error:
+            raise RuntimeError(f"warm-up failed: {warmup[0].error}")
+        for workload, c in levels:
+            runs, wall, share = asyncio.run(
+                run_level(url, model, WORKLOADS[workload](), c, settings)
+            )
+            level = summarize_level(mode, workload, c, runs, wall, share, settings.burst_gap)
+            for r in runs:
+                if r.error:
+                    logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
+            logger.info("%s %s c=%d: %.2f tokens/s", mode, workload, c, level.tokens_per_s)
+            results.append(level)
+    return results
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def format_table(levels: Sequence[LevelResult]) -> str:
+    """Markdown: one row per (concurrency, mode) of one workload, tokens/s relative to off."""
+    base = {(r.workload, r.concurrency): r.tokens_per_s for r in levels if r.mode == "off"}
+    lines = [
+        "| c | mode | tok/s | vs off | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| % speculating | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(levels, key=lambda r: (r.concurrency, r.mode not in ("off", "always"))):
+        off = base.get((r.workload, r.concurrency))
+        ratio = f"{r.tokens_per_s / off:.2f}x" if off else "-"
+        share = "-" if r.speculating_share is None else f"{100 * r.speculating_share:.0f}%"
+        lines.append(
+            f"| {r.concurrency} | {r.mode} | {r.tokens_per_s:.2f} | {ratio} | {_ms(r.ttft_p50)} "
+            f"| {_ms(r.ttft_p99)} | {_ms(r.itl_p50)} | {_ms(r.itl_p99)} | {share} "
+            f"| {r.num_errors} |"
+        )
+    return "\n".join(lines)
+
+
+def auto_vs_best(levels: Sequence[LevelResult]) -> dict[int, tuple[float, str]]:
+    """Per concurrency of the mixed workload: auto's tokens/s relative to the better of off and
+    always (-0.02 = 2% slower), and which one that was. Levels missing a mode are left out."""
+    tps = {(r.mode, r.concurrency): r.tokens_per_s for r in levels if r.workload == "mixed"}
+    out = {}
+    for c in sorted({c for _, c in tps}):
+        if all((m, c) in tps for m in ("off", "always", "auto")):
+            best = max(("off", "always"), key=lambda m: tps[(m, c)])
+            out[c] = (tps[("auto", c)] / tps[(best, c)] - 1, best)
+    return out
+
+
+def check_targets(levels: Sequence[LevelResult]) -> dict[str, Any]:
+    """The issue's targets; None where the run lacks the levels to judge."""
+    gaps = auto_vs_best(levels)
+    code = {r.mode: r.tokens_per_s for r in levels if r.workload == "code_edit"}
+    ratio = code["auto"] / code["off"] if "auto" in code and code.get("off") else None
+    return {
+        "auto_vs_best": {c: gap for c, (gap, _) in gaps.items()},
+        "auto_within_tolerance": all(g >= -AUTO_TOLERANCE for g, _ in gaps.values())
+        if gaps
+        else None,
+        "code_edit_c1_auto_over_off": ratio,
+        "code_edit_c1_target_met": None if ratio is None else ratio >= CODE_EDIT_TARGET,
+    }
+
+
+def report(levels: Sequence[LevelResult]) -> str:
+    mixed = [r for r in levels if r.workload == "mixed"]
+    code = [r for r in levels if r.workload == "code_edit"]
+    parts = ["Mixed workload (code edit + open chat):", "", format_table(mixed)]
+    if code:
+        parts += ["", "Code edit only, concurrency 1:", "", format_table(code)]
+    parts.append("")
+    for c, (gap, best) in auto_vs_best(levels).items():
+        parts.append(f"c={c}: auto vs best(off, always): {100 * gap:+.1f}% (best: {best})")
+    targets = check_targets(levels)
+    verdict = {True: "met", False: "NOT met", None: "not measured"}
+    parts.append(
+        f"target auto within {100 * AUTO_TOLERANCE:.0f}% of the best at every c: "
+        f"{verdict[targets['auto_within_tolerance']]}"
+    )
+    ratio = targets["code_edit_c1_auto_over_off"]
+    shown = "-" if ratio is None else f"{ratio:.2f}x"
+    parts.append(
+        f"target code edit c=1 auto/off >= {CODE_EDIT_TARGET}: {shown}, "
+        f"{verdict[targets['code_edit_c1_target_met']]}"
+    )
+    return "\n".join(parts) + "\n"
+
+
+def plot(levels: Sequence[LevelResult], path: Path) -> None:
+    """Left: tokens/s against concurrency per mode; right: share of decisions speculating."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixed = [r for r in levels if r.workload == "mixed"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, mode in enumerate(dict.fromkeys(r.mode for r in mixed)):
+        style = {"marker": "o", "label": mode, "color": f"C{i}"}  # one colour per mode
+        rows = sorted((r for r in mixed if r.mode == mode), key=lambda r: r.concurrency)
+        left.plot([r.concurrency for r in rows], [r.tokens_per_s for r in rows], **style)
+        shares = [(r.concurrency, r.speculating_share) for r in rows if mode != "off"]
+        shares = [(x, 100 * s) for x, s in shares if s is not None]
+        if shares:
+            right.plot(*zip(*shares, strict=True), **style)
+    ticks = sorted({r.concurrency for r in mixed})
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(ticks, [str(c) for c in ticks])
+        axis.set_xlabel("concurrent streaming clients")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    left.set_ylabel("total tokens/s")
+    left.set_title("Throughput by speculation mode")
+    right.set_ylabel("% of request-steps speculating")
+    right.set_ylim(-5, 105)
+    right.set_title("Share of requests speculating")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--modes", default="off,always,auto")
+    parser.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32))
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--code-edit-c1",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also a code-edit-only level at concurrency 1 per mode (default: on)",
+    )
+    parser.add_argument("--burst-gap-ms", type=float, default=5.0, help="tokens of one step")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--out", default="bench/results/policy.json")
+    parser.add_argument("--plot", default="docs/policy.png")
+    parser.add_argument("--smoke", action="store_true", help="SmolLM2-135M, n-gram, c=1,2")
+    args = parser.parse_args(argv)
+    config_path = SMOKE["config"] if args.smoke else args.config
+    config = yaml.safe_load((ROOT / config_path).read_text())
+    if args.smoke:
+        config["engine"]["speculative_config"] = SMOKE["speculative_config"]
+        args.concurrency = tuple(SMOKE["concurrency"])
+        args.requests_per_client, args.max_tokens = (
+            SMOKE["requests_per_client"],
+            SMOKE["max_tokens"],
+        )
+        args.out, args.plot = SMOKE["out"], SMOKE["plot"]
+    settings = BenchSettings(
+        config=config,
+        modes=tuple(args.modes.split(",")),
+        concurrency=tuple(args.concurrency),
+        requests_per_client=args.requests_per_client,
+        max_tokens=args.max_tokens,
+        is_code_edit_c1=args.code_edit_c1,
+        burst_gap=args.burst_gap_ms / 1000,
+        startup_timeout=args.startup_timeout,
+    )
+    return settings, args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    settings, args = parse_args(argv)
+    start = time.perf_counter()
+    levels = [level for mode in settings.modes for level in bench_mode(mode, settings)]
+    logger.info("swept %d levels in %.0f s", len(levels), time.perf_counter() - start)
+    sys.stdout.write(report(levels))
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "settings": dataclasses.asdict(settings),
+        "levels": [dataclasses.asdict(r) for r in levels],
+        "targets": check_targets(levels),
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    plot(levels, ROOT / args.plot)
+    logger.info("wrote %s and %s", out, ROOT / args.plot)
+
+
+if __name__ == "__main__":
+    main()

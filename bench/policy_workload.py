@@ -1,0 +1,328 @@
+"""The workload and the measurements of bench/policy.py, kept free of I/O so tests can check them.
+
+Workload: code-edit prompts (a function to rewrite with one small change, full code back: the
+answer copies most of the prompt, where n-gram drafts shine) interleaved with open chat questions
+(free text, where drafts are often wrong). Request i of a level gets prompt i mod len(workload),
+so every mode sees the same requests in the same order.
+
+Measurements: per request the arrival time of every streamed token (the server is started with
+one SSE chunk per token), its time to first token and its completion tokens (from `usage`); per
+level the percentiles over requests (TTFT) and over tokens (inter-token latency), and the share
+of the policy's per-request decisions that speculated, from Prometheus counter deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# (function source, a local name in it, the name to rename it to)
+FUNCTIONS = (
+    (
+        "def parse_config(path):\n"
+        "    settings = {}\n"
+        "    with open(path) as f:\n"
+        "        for number, line in enumerate(f, start=1):\n"
+        "            line = line.strip()\n"
+        '            if not line or line.startswith("#"):\n'
+        "                continue\n"
+        '            if "=" not in line:\n'
+        '                raise ValueError(f"line {number}: expected key = value")\n'
+        '            key, value = line.split("=", 1)\n'
+        "            settings[key.strip()] = value.strip()\n"
+        "    return settings\n",
+        "settings",
+        "options",
+    ),
+    (
+        "def moving_average(values, window):\n"
+        "    if window <= 0:\n"
+        '        raise ValueError("window must be positive")\n'
+        "    result = []\n"
+        "    total = 0.0\n"
+        "    for index, value in enumerate(values):\n"
+        "        total += value\n"
+        "        if index >= window:\n"
+        "            total -= values[index - window]\n"
+        "        if index >= window - 1:\n"
+        "            result.append(total / window)\n"
+        "    return result\n",
+        "total",
+        "running_sum",
+    ),
+    (
+        "def merge_intervals(intervals):\n"
+        "    ordered = sorted(intervals, key=lambda pair: pair[0])\n"
+        "    merged = []\n"
+        "    for start, end in ordered:\n"
+        "        if merged and start <= merged[-1][1]:\n"
+        "            merged[-1][1] = max(merged[-1][1], end)\n"
+        "        else:\n"
+        "            merged.append([start, end])\n"
+        "    return merged\n",
+        "ordered",
+        "by_start",
+    ),
+    (
+        "def word_counts(text, stop_words):\n"
+        "    counts = {}\n"
+        "    for word in text.split():\n"
+        '        word = word.strip(".,;:!?").lower()\n'
+        "        if not word or word in stop_words:\n"
+        "            continue\n"
+        "        counts[word] = counts.get(word, 0) + 1\n"
+        "    return sorted(counts.items(), key=lambda item: -item[1])\n",
+        "counts",
+        "frequencies",
+    ),
+)
+
+EDITS = (
+    "Rename the variable `{old}` to `{new}`.",
+    "Add a docstring that explains what the function does.",
+    "Add type hints to the parameters and the return value.",
+)
+
+OPEN_CHAT = (
+    "Why do cities build roundabouts instead of traffic lights? Explain the trade-offs.",
+    "What are the main differences between a process and a thread?",
+    "Give me some advice for preparing a talk at a small conference.",
+    "How does a bicycle stay upright while it is moving?",
+    "What should I consider when choosing between renting and buying a home?",
+    "Explain how vaccines train the immune system, for a curious teenager.",
+    "What makes a good code review? List what you would look for.",
+    "Describe a relaxing weekend trip to the mountains.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Compare learning the piano and learning the guitar as an adult.",
+    "What are the pros and cons of working from home?",
+    "How do noise-cancelling headphones work?",
+)
+
+
+def code_edit_prompts() -> list[str]:
+    """Every (function, edit) pair: an instruction, the code, and a request for the full code."""
+    prompts = []
+    for edit in EDITS:
+        for code, old, new in FUNCTIONS:
+            instruction = edit.format(old=old, new=new)
+            prompts.append(
+                f"{instruction} Output the full code of the function and nothing else.\n\n"
+                f"```python\n{code}```"
+            )
+    return prompts
+
+
+def mixed_prompts() -> list[str]:
+    """Code edits and open chat, alternating."""
+    code, chat = code_edit_prompts(), list(OPEN_CHAT)
+    mixed = []
+    for i in range(max(len(code), len(chat))):
+        mixed += [code[i % len(code)], chat[i % len(chat)]]
+    return mixed
+
+
+WORKLOADS = {"mixed": mixed_prompts, "code_edit": code_edit_prompts}
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One streamed request: times are seconds after the request was sent."""
+
+    prompt_index: int
+    token_times: tuple[float, ...]  # arrival of each streamed token (content chunk)
+    num_completion_tokens: int  # from usage; the number of chunks when usage is missing
+    latency: float
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One (mode, workload, concurrency) level of the sweep; latencies in seconds."""
+
+    mode: str
+    workload: str
+    concurrency: int
+    num_requests: int
+    num_errors: int
+    num_completion_tokens: int
+    wall_time: float
+    tokens_per_s: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    speculating_share: float | None  # None: the server exports no policy decisions
+
+
+class StreamError(RuntimeError):
+    """The server ended a stream with an error event."""
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None if
+    there are no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def amortized_itl(token_times: Sequence[float], burst_gap: float) -> list[float]:
+    """Inter-token latencies, one per token after the first burst.
+
+    Tokens of one engine step (a verify step emits several) arrive together: a token within
+    `burst_gap` seconds of the previous one joins its burst. A burst of m tokens arriving `gap`
+    seconds after the previous burst began gives each of its tokens gap / m, so the latencies
+    sum to the time between the first and the last burst, as a client sees the stream advance.
+    """
+    bursts: list[tuple[float, int]] = []  # (arrival of its first token, tokens)
+    previous = None
+    for t in token_times:
+        if previous is not None and t - previous <= burst_gap:
+            bursts[-1] = (bursts[-1][0], bursts[-1][1] + 1)
+        else:
+            bursts.append((t, 1))
+        previous = t
+    latencies = []
+    for (start_before, _), (start, count) in zip(bursts, bursts[1:], strict=False):
+        latencies += [(start - start_before) / count] * count
+    return latencies
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | str | None:
+    """One line of a `text/event-stream`: the event's JSON object, "[DONE]", or None for lines
+    that carry no data (blank separators, comments, other fields)."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:") :].strip()
+    if payload == "[DONE]":
+        return payload
+    event = json.loads(payload)
+    if not isinstance(event, dict):
+        raise StreamError(f"unexpected event {payload[:200]!r}")
+    return event
+
+
+class ChatStreamReader:
+    """Reads one streamed chat completion line by line and times its tokens."""
+
+    def __init__(self, sent_at: float) -> None:
+        self.sent_at = sent_at
+        self.token_times: list[float] = []
+        self.num_usage_tokens: int | None = None
+        self.is_done = False
+
+    def feed(self, line: str, now: float) -> None:
+        """Take one line received at `now` (same clock as `sent_at`). Raises StreamError on an
+        error event."""
+        event = parse_sse_line(line)
+        if event is None:
+            return
+        if event == "[DONE]":
+            self.is_done = True
+            return
+        assert isinstance(event, dict)
+        if "error" in event:
+            raise StreamError(str(event["error"].get("message", event["error"])))
+        usage = event.get("usage")
+        if usage:
+            self.num_usage_tokens = int(usage["completion_tokens"])
+        for choice in event.get("choices") or []:
+            if (choice.get("delta") or {}).get("content"):
+                self.token_times.append(now - self.sent_at)
+
+    def result(self, prompt_index: int, now: float) -> RequestResult:
+        tokens = self.num_usage_tokens
+        return RequestResult(
+            prompt_index=prompt_index,
+            token_times=tuple(self.token_times),
+            num_completion_tokens=len(self.token_times) if tokens is None else tokens,
+            latency=now - self.sent_at,
+        )
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition: series name -> [(labels, value)]; comments skipped."""
+    series: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or line.startswith("#"):
+            continue
+        name, labels, value = match.groups()
+        series.setdefault(name, []).append((dict(_LABEL.findall(labels or "")), float(value)))
+    return series
+
+
+DECISIONS = "specserve:spec_decode_policy_decisions_total"
+
+
+def decision_counts(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[str, float]:
+    """Policy decisions by decision ("speculate", "skip"), summed over reasons; empty when the
+    server does not export them."""
+    counts: dict[str, float] = {}
+    for labels, value in metrics.get(DECISIONS, []):
+        decision = labels.get("decision", "")
+        counts[decision] = counts.get(decision, 0.0) + value
+    return counts
+
+
+def speculating_share(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
+    """Share of per-request decisions between two scrapes that speculated; None when the
+    counters are absent or nothing was decided."""
+    if not after:
+        return None
+    speculate = after.get("speculate", 0.0) - before.get("speculate", 0.0)
+    skip = after.get("skip", 0.0) - before.get("skip", 0.0)
+    total = speculate + skip
+    return speculate / total if total > 0 else None
+
+
+def summarize_level(
+    mode: str,
+    workload: str,
+    concurrency: int,
+    results: Sequence[RequestResult],
+    wall_time: float,
+    share: float | None,
+    burst_gap: float,
+) -> LevelResult:
+    """Aggregate a level: tokens/s over its wall time, TTFT percentiles over requests, ITL
+    percentiles over all tokens of all requests. Failed requests count as errors only."""
+    done = [r for r in results if r.error is None]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    itls = [x for r in done for x in amortized_itl(r.token_times, burst_gap)]
+    num_tokens = sum(r.num_completion_tokens for r in done)
+    return LevelResult(
+        mode=mode,
+        workload=workload,
+        concurrency=concurrency,
+        num_requests=len(results),
+        num_errors=len(results) - len(done),
+        num_completion_tokens=num_tokens,
+        wall_time=wall_time,
+        tokens_per_s=num_tokens / wall_time if wall_time > 0 else 0.0,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
+        itl_p50=percentile(itls, 50),
+        itl_p99=percentile(itls, 99),
+        speculating_share=share,
+    )
