@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: install run generate test lint bench clean
+.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,15 +35,37 @@ generate: $(VENV)/.models
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
+# The GPU tests (marker gpu: flash-attn backend, NVML...); each skips without CUDA. On a GPU node
+# the venv needs a CUDA build of torch (PyPI's Linux default) and the gpu extra's flash-attn and
+# nvidia-ml-py built for it (the Dockerfile pins a matching torch and flash-attn wheel).
+gpu-test: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu tests/gpu
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Deployment artifacts without Docker or a cluster: hadolint, compose schema, Helm render +
+# Kubernetes schemas, dashboard PromQL (tests/unit/test_deploy.py also runs in `make test`).
+lint-deploy: $(VENV)/.installed
+	$(VENV)/bin/hadolint --failure-threshold style Dockerfile Dockerfile.cpu
+	$(PY) deploy/grafana/build_dashboard.py --check
+	$(PY) -m pytest -q tests/unit/test_deploy.py
 
 bench: $(VENV)/.models
 	$(PY) bench/kernels.py
 	$(PY) bench/decode.py
 	$(PY) bench/throughput.py
 	$(PY) bench/spec.py
+
+# The speculation policy over HTTP: modes off / always / auto, 1 to 32 streaming clients (~20 min
+# on 2 CPU cores); writes bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
+bench-policy: $(VENV)/.models $(VENV)/.bench
+	$(PY) bench/policy.py $(ARGS)
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
