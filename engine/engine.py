@@ -201,14 +201,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run the target once, verify, update. Returns the changed outputs."""
+        step_start = time.perf_counter()
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
         self._record_scheduled(schedule)
         draft_time = self.speculator.stats.draft_time
         drafts = self.speculator.propose(schedule.scheduled)
+        drafting = self.speculator.stats.draft_time - draft_time
         if any(s.num_draft_tokens for s in schedule.scheduled):
-            self.metrics.draft_time.observe(self.speculator.stats.draft_time - draft_time)
+            self.metrics.draft_time.observe(drafting)
         start = time.perf_counter()
         chunks, items = self._build_batch(schedule, drafts)
         logits = self.runner.forward(chunks)
@@ -219,7 +221,11 @@ class LLMEngine:
             self.metrics.verify_time.observe(seconds)
         # The policy's step-time model learns from every measured forward.
         self.speculator.observe_step(chunks, seconds)
-        return self._update(schedule, chunks, drafts, results)
+        outputs = self._update(schedule, chunks, drafts, results)
+        # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.
+        rest = time.perf_counter() - step_start - seconds - drafting
+        self.speculator.planner.observe_overhead(rest, bool(drafts))
+        return outputs
 
     def _record_scheduled(self, schedule: SchedulerOutput) -> None:
         """Queue times of sequences scheduled for the first time; a user request's prompt

@@ -19,6 +19,7 @@ compares the request's tokens with the drafts it fed and keeps the KV of the acc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,18 @@ from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.spec.proposer import Draft
 from engine.verifier import DRAFT_STREAM, sampling_row
+
+
+@dataclass(frozen=True)
+class DraftTiming:
+    """Seconds of the draft model's last propose: the first forward (catching up on
+    num_catch_up tokens besides one per drafting request) and the num_more single-token
+    forwards after it."""
+
+    num_catch_up: int
+    first_seconds: float
+    num_more: int
+    more_seconds: float
 
 
 @dataclass
@@ -58,6 +71,7 @@ class DraftModelProposer:
         self.block_manager = block_manager
         self._states: dict[str, _DraftState] = {}
         self._scheduled: Sequence[tuple[Request, int]] = ()
+        self.last_timing: DraftTiming | None = None
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         self._scheduled = scheduled
@@ -103,11 +117,15 @@ class DraftModelProposer:
             drafting.append((request, k))
         if not chunks:
             return [None] * len(requests)
+        start = time.perf_counter()
         logits = self.runner.forward(chunks)
+        first = time.perf_counter() - start
+        num_catch_up = sum(len(c.token_ids) - 1 for c in chunks)
         drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
             r.request_id: ([], []) for r, _ in drafting
         }
         stopped: set[str] = set()
+        num_more = 0
         for step in range(max((k for _, k in drafting), default=0)):
             # A request stops drafting at its grant, or once the draft is unsure of its token.
             active = [
@@ -120,12 +138,24 @@ class DraftModelProposer:
             if not active:
                 break
             if step > 0:
+                num_more += 1
                 logits = self.runner.forward(
                     [self._feed(r, drafted[r.request_id][0]) for r, _ in active]
                 )
             assert logits is not None
             stopped.update(self._sample(logits, active, drafted))
+        self.last_timing = DraftTiming(
+            num_catch_up, first, num_more, time.perf_counter() - start - first
+        )
         return [self._draft(r, drafted) for r in requests]
+
+    def num_behind(self, request: Request) -> int:
+        """Tokens the draft model must catch up on before drafting for the request (its whole
+        sequence the first time, what it missed while paused after that)."""
+        state = self._states.get(request.request_id)
+        if state is None or state.num_preemptions != request.num_preemptions:
+            return request.num_computed_tokens
+        return max(0, request.num_computed_tokens - state.num_computed - len(state.fed))
 
     def _feed(self, request: Request, ids: list[int]) -> SeqChunk:
         """Feed the latest draft token back in to get the next distribution."""

@@ -24,7 +24,9 @@ import torch
 Reason = Literal[
     "speculating", "compute_bound", "low_acceptance", "request_opt_out", "batch_size", "utilization"
 ]
-CAP_REASONS: frozenset[str] = frozenset({"request_opt_out", "batch_size", "utilization"})
+CAP_REASONS: frozenset[str] = frozenset(
+    {"request_opt_out", "batch_size", "utilization", "compute_bound"}
+)
 DEFAULT_PRIORS: Mapping[str, float] = {"ngram": 0.5, "draft_model": 0.6, "prediction": 0.8}
 
 

@@ -2,8 +2,10 @@
 
 Requests that carry a prediction (OpenAI Predicted Outputs) draft from it first; the rest go
 through the configured chain in order ("ngram+draft_model": n-gram first, the draft model for
-the requests n-gram found nothing for). Every proposer sees every step (`prepare`), so a draft
-model stays in sync with requests that are not speculating.
+the requests n-gram found nothing for). The policy (engine/spec/planner.py) grants each
+decoding request its k per step; a lookup proposer's draft is found while planning, so the
+policy knows which requests would cost draft-model forwards. A draft model is lazy: it runs only
+for the requests that draft with it, catching up on what it missed in its first forward.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.runner import SeqChunk
 from engine.scheduler import ScheduledRequest
 from engine.spec.calibration import load_or_calibrate, time_forward
 from engine.spec.config import SpeculativeConfig
-from engine.spec.planner import DraftPlanner
+from engine.spec.planner import Candidate, DraftPlanner
 from engine.spec.policy import StepTimeModel
 from engine.spec.proposer import Draft, LookupProposer, Proposer, make_proposer
 from engine.spec.stats import PolicyStats, SpecStats
@@ -49,9 +51,8 @@ class Speculator:
         self.num_tokens = config.num_speculative_tokens if config else DEFAULT_PREDICTION_TOKENS
         self.stats = SpecStats()
         self.planner = _make_planner(config, context, self.num_tokens, self.chain)
-        # Proposers without a model of their own: drafting from them costs next to nothing.
-        self.lookups = [p for p in self.chain if isinstance(p, LookupProposer)]
         self._shadows: dict[str, tuple[int, Draft]] = {}  # request id -> (position, draft)
+        self._lookups: dict[str, Draft] = {}  # lookup drafts found while planning this step
 
     @property
     def policy_stats(self) -> PolicyStats:
@@ -65,15 +66,37 @@ class Speculator:
         budget: int,
         num_running: int,
     ) -> list[int]:
-        """Draft tokens per decoding request this step (see DraftPlanner.plan)."""
-        drafting = [i for i, (r, _) in enumerate(candidates) if self.planner.can_draft(r)]
+        """Draft tokens per decoding request (request, room) this step: each request's source
+        is found first — its prediction, else the chain in order, where a lookup proposer
+        counts only if it has a draft now (and bounds the room by its length) — then the
+        planner decides (DraftPlanner.plan). Requests nothing can draft for get 0 and no
+        decision."""
+        self._lookups.clear()
+        found, where = [], []
+        for i, (request, room) in enumerate(candidates):
+            source, room, num_catch_up = self._source(request, room)
+            if source is not None:
+                found.append(Candidate(request, room, source, num_catch_up))
+                where.append(i)
         ks = [0] * len(candidates)
-        chosen = self.planner.plan(
-            [candidates[i] for i in drafting], base_tokens, context, budget, num_running
-        )
-        for i, k in zip(drafting, chosen, strict=True):
+        chosen = self.planner.plan(found, base_tokens, context, budget, num_running)
+        for i, k in zip(where, chosen, strict=True):
             ks[i] = k
         return ks
+
+    def _source(self, request: Request, room: int) -> tuple[str | None, int, int]:
+        """(source, room, tokens to catch up on) for a request; source None: nothing drafts."""
+        if request.prediction_token_ids:
+            return "prediction", room, 0
+        for proposer in self.chain:
+            if not isinstance(proposer, LookupProposer):
+                behind = getattr(proposer, "num_behind", None)
+                return proposer.name, room, behind(request) if behind else 0
+            draft = proposer.propose([request], [room])[0]
+            if draft is not None:
+                self._lookups[request.request_id] = draft
+                return proposer.name, min(room, len(draft.token_ids)), 0
+        return None, room, 0
 
     def propose(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, Draft]:
         start = time.perf_counter()
@@ -86,35 +109,30 @@ class Speculator:
         self._ask(self.prediction, predicted, drafts)
         pending = [(r, k) for r, k in pending if r.request_id not in drafts]
         for proposer in self.chain:
-            # Called even with nothing pending: a draft model catches up every step.
-            self._ask(proposer, pending, drafts)
+            if not pending:
+                break
+            found = self._ask(proposer, pending, drafts)
+            timing = getattr(proposer, "last_timing", None)
+            if found and timing is not None:
+                self.planner.observe_draft_time(timing)
             pending = [(r, k) for r, k in pending if r.request_id not in drafts]
         if self.planner.mode == "auto":
             self._shadow_drafts(scheduled)
-        seconds = time.perf_counter() - start
-        self.stats.draft_time += seconds
-        if drafts:
-            # Drafting k tokens takes about k sequential draft forwards (lookup: ~free).
-            self.planner.observe_draft_time(seconds, max(len(d.token_ids) for d in drafts.values()))
+        self.stats.draft_time += time.perf_counter() - start
         return drafts
 
     def _shadow_drafts(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """A decoding request the policy kept from speculating still gets a one-token draft
-        from a lookup proposer (free to compute, never verified). Its next token tells whether
-        the draft would have been accepted — with one-hot drafts the verifier accepts exactly
-        when the sampled token matches — so its acceptance estimate keeps learning while it is
-        paused, and a request whose text turns predictable is switched back on."""
+        """A decoding request the policy kept from speculating keeps the lookup draft found
+        while planning (free to compute, never verified) as a shadow. Its next token tells
+        whether the draft's first token would have been accepted — with one-hot drafts the
+        verifier accepts exactly when the sampled token matches — so its acceptance estimate
+        keeps learning while it is paused, and a request whose text turns predictable is
+        switched back on."""
         self._shadows.clear()
         for s in scheduled:
-            request = s.request
-            if s.num_draft_tokens or s.num_new_tokens != 1 or not request.num_output_tokens:
-                continue
-            sources = [self.prediction] if request.prediction_token_ids else self.lookups
-            for proposer in sources:
-                draft = proposer.propose([request], [1])[0]
-                if draft is not None:
-                    self._shadows[request.request_id] = (request.num_tokens, draft)
-                    break
+            draft = self._lookups.get(s.request.request_id)
+            if draft is not None and not s.num_draft_tokens:
+                self._shadows[s.request.request_id] = (s.request.num_tokens, draft)
 
     def observe_plain(self, request: Request) -> None:
         """A step without a draft for the request: settle its shadow draft, if any."""
@@ -129,12 +147,15 @@ class Speculator:
     @staticmethod
     def _ask(
         proposer: Proposer, pending: list[tuple[Request, int]], drafts: dict[str, Draft]
-    ) -> None:
+    ) -> list[Draft]:
         results = proposer.propose([r for r, _ in pending], [k for _, k in pending])
+        found = []
         for (request, k), draft in zip(pending, results, strict=True):
             if draft is not None:
                 assert len(draft.token_ids) <= k, f"{proposer.name} drafted past its grant"
                 drafts[request.request_id] = draft
+                found.append(draft)
+        return found
 
     def observe_step(self, chunks: Sequence[SeqChunk], seconds: float) -> None:
         """One measured target forward (and verification) over `chunks`."""
@@ -165,7 +186,7 @@ def _make_planner(
     engine = context.engine
     mode = config.mode if config else "auto"
     methods = config.methods if config else ()
-    draft_seconds = 0.0
+    draft_seconds = catch_up_per_token = 0.0
     if mode == "auto" and methods:
         step_model = load_or_calibrate(
             engine.runner,
@@ -180,6 +201,9 @@ def _make_planner(
         if draft_runner is not None:
             time_forward(draft_runner, engine.block_manager, 1, 0, repeats=1)  # warm-up
             draft_seconds = time_forward(draft_runner, engine.block_manager, 1, 0, repeats=2)
+            n = min(64, engine.max_model_len)
+            catch_up = time_forward(draft_runner, engine.block_manager, n, 0, repeats=1)
+            catch_up_per_token = max(0.0, catch_up - draft_seconds) / max(1, n - 1)
     else:
         step_model = StepTimeModel([1], [1.0], rate=0.0)
     return DraftPlanner(
@@ -191,4 +215,5 @@ def _make_planner(
         config.spec_disable_batch_size if config else None,
         config.spec_disable_utilization if config else None,
         draft_seconds,
+        catch_up_per_token,
     )

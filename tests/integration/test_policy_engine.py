@@ -13,7 +13,7 @@ from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec.calibration import calibrate
-from engine.spec.planner import DraftPlanner
+from engine.spec.planner import Candidate, DraftPlanner
 
 KNEE = 8
 
@@ -51,7 +51,7 @@ def _planner(mode: str = "auto", **kw) -> DraftPlanner:
 
 def _plan(planner: DraftPlanner, requests: list[Request], room: int = 7) -> list[int]:
     num = len(requests)
-    return planner.plan([(r, room) for r in requests], num, 100 * num, 256, num)
+    return planner.plan([Candidate(r, room, "ngram") for r in requests], num, 100 * num, 256, num)
 
 
 def test_k_falls_to_zero_past_the_knee_and_comes_back() -> None:
@@ -79,7 +79,10 @@ def test_opt_out_and_caps_are_honoured() -> None:
     capped = _requests(1, max_draft_tokens=2)[0]
     zero = _requests(1, max_draft_tokens=0)[0]
     free = _requests(1)[0]
-    ks = planner.plan([(out, 7), (capped, 7), (zero, 7), (free, 3)], 4, 400, 256, 4)
+    candidates = [
+        Candidate(r, room, "ngram") for r, room in [(out, 7), (capped, 7), (zero, 7), (free, 3)]
+    ]
+    ks = planner.plan(candidates, 4, 400, 256, 4)
     assert ks[0] == 0 and ks[2] == 0
     assert 0 < ks[1] <= 2 and 0 < ks[3] <= 3
     assert planner.stats.decisions[("skip", "request_opt_out")] == 2
@@ -108,18 +111,27 @@ def test_modes_off_and_always() -> None:
     # Fixed K whatever the load, within the budget: 16 decode tokens + 16 x 7 drafts fit in 256.
     assert _plan(always, requests) == [7] * 16
     assert always.stats.decisions == {("speculate", "fixed"): 16}
-    tight = always.plan([(r, 7) for r in requests], 16, 1600, 20, 16)
+    tight = always.plan([Candidate(r, 7, "ngram") for r in requests], 16, 1600, 20, 16)
     assert sum(tight) == 20 and always.stats.decisions[("skip", "budget")] > 0
 
 
-def test_low_acceptance_turns_a_request_off_alone() -> None:
-    planner = _planner(draft_forward_seconds=0.1)
-    bad, good = _requests(2)
+def test_draft_model_depth_pays_for_itself() -> None:
+    """A draft-model forward costs 0.2 step per depth; lookup drafts cost nothing. A draft model
+    that is always wrong is left idle (low_acceptance) while n-gram drafts still go; one that
+    is always right drafts deep."""
+    planner = _planner(draft_forward_seconds=0.2)
+    bad, good, lookup = _requests(3)
     for _ in range(30):
-        planner.observe_verify(bad, "ngram", 5, 0)
-        planner.observe_verify(good, "ngram", 5, 5)
-    assert planner.plan([(bad, 7), (good, 7)], 2, 200, 256, 2)[0] == 0
+        planner.observe_verify(bad, "draft_model", 5, 0)
+        planner.observe_verify(good, "draft_model", 5, 5)
+        planner.observe_verify(lookup, "ngram", 5, 2)
+    ks = planner.plan(
+        [Candidate(bad, 7, "draft_model"), Candidate(lookup, 7, "ngram")], 2, 200, 256, 2
+    )
+    assert ks[0] == 0 and ks[1] > 0
     assert planner.stats.decisions[("skip", "low_acceptance")] == 1
+    ks = planner.plan([Candidate(good, 7, "draft_model")], 1, 100, 256, 1)
+    assert ks[0] >= 5
 
 
 @pytest.fixture(scope="module")
