@@ -100,7 +100,7 @@ class Scheduler:
             kept.append((request, num_new))
             budget -= num_new
             i += 1
-        drafts = self._plan(kept, budget)
+        drafts = self._plan(kept, budget - self._reserved_for_waiting(budget))
         for (request, num_new), num_drafts in zip(kept, drafts, strict=True):
             scheduled.append(ScheduledRequest(request, num_new, num_drafts))
             budget -= num_drafts
@@ -129,6 +129,18 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return SchedulerOutput(tuple(scheduled), num_preempted)
+
+    def _reserved_for_waiting(self, budget: int) -> int:
+        """Budget kept for admitting waiting requests: new work comes before drafts (a draft
+        token that displaces a prompt token only trades useful work for speculative work)."""
+        if len(self.running) >= self.max_num_seqs:
+            return 0
+        wanted = 0
+        for request in self.waiting:
+            wanted += request.num_tokens - request.num_computed_tokens
+            if wanted >= budget:
+                return budget
+        return wanted
 
     def _plan(self, kept: list[tuple[Request, int]], budget: int) -> list[int]:
         """Draft tokens per kept request: the policy's grant for decoding requests, within the

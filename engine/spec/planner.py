@@ -31,7 +31,7 @@ from engine.spec.policy import (
     Hysteresis,
     Reason,
     StepTimeModel,
-    allocate_draft_lengths,
+    best_goodput,
     expected_tokens,
     goodput,
 )
@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 # Weight of the newest measurement in the draft-cost estimate.
 _DRAFT_COST_RATE = 0.2
+# Speculate only where the predicted goodput beats no drafts by this much: the step-time model's
+# marginal costs are off by 10-30% at large batches on CPU (attention over many query rows costs
+# more than calibration on one sequence shows), and a smaller predicted gain is often a loss.
+MIN_PREDICTED_GAIN = 0.2
 # A first draft forward catching up on at least this many tokens measures the catch-up cost.
 _MIN_CATCH_UP_SAMPLE = 16
 # Sources that draft with a model: each draft depth costs one batched forward of it.
@@ -172,11 +176,10 @@ class DraftPlanner:
         for depth in range(depths + 1):
             depth_caps = _depth_caps(caps, uses_model, depth)
             values.append(
-                allocate_draft_lengths(
+                best_goodput(
                     alphas, depth_caps, base_tokens, context, self.step_model,
-                    _constant(self._model_cost(candidates, alphas, depth_caps, depth)),
-                    _filled(reasons, depth_caps), budget,
-                ).goodput
+                    _constant(self._model_cost(candidates, alphas, depth_caps, depth)), budget,
+                )
             )  # fmt: skip
         depth = max(range(depths + 1), key=values.__getitem__)
         # The depth has its own hysteresis: the last one is kept unless the new one clears
@@ -191,6 +194,12 @@ class DraftPlanner:
             ids, alphas, depth_caps, base_tokens, context, self.step_model, _constant(cost),
             _filled(reasons, depth_caps), max_num_draft_tokens=budget,
         )  # fmt: skip
+        ks = list(allocation.num_draft_tokens)
+        plain = goodput(alphas, [0] * len(ks), base_tokens, context, self.step_model, 0.0)
+        if any(ks) and allocation.goodput < plain * (1.0 + MIN_PREDICTED_GAIN):
+            # A gain the model's own error could erase is not worth the verify work.
+            ks = [0] * len(ks)
+            reasons = [r or "compute_bound" for r in reasons]
         final = [
             "goodput"
             if k > 0
@@ -200,9 +209,9 @@ class DraftPlanner:
                 if uses_model[i]
                 else allocation.reasons[i]
             )
-            for i, k in enumerate(allocation.num_draft_tokens)
+            for i, k in enumerate(ks)
         ]
-        return list(allocation.num_draft_tokens), final
+        return ks, final
 
     def _model_cost(
         self, candidates: Sequence[Candidate], alphas: list[float], caps: list[int], depth: int

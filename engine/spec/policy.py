@@ -304,6 +304,20 @@ def allocate_draft_lengths(
     return Allocation(tuple(ks), tuple(reasons), value)
 
 
+def best_goodput(
+    alphas: Sequence[float],
+    caps: Sequence[int],
+    base_tokens: int,
+    context: int,
+    model: StepTimePredictor,
+    draft_cost: DraftCost = 0.0,
+    max_num_draft_tokens: int | None = None,
+) -> float:
+    """The goodput allocate_draft_lengths would reach, without working out reasons (cheap)."""
+    ks = _greedy(alphas, caps, base_tokens, context, model, draft_cost, max_num_draft_tokens)
+    return goodput(alphas, ks, base_tokens, context, model, draft_cost)
+
+
 def _greedy(
     alphas: Sequence[float],
     caps: Sequence[int],

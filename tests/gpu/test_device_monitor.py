@@ -1,0 +1,39 @@
+"""The NVML device monitor on CUDA (skipped without a GPU), and the CPU stand-in everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.device_monitor import KneeMonitor, NvmlMonitor, make_monitor
+
+
+class _Knee:
+    knee = 8
+
+
+def test_cpu_monitor_is_step_tokens_over_the_knee() -> None:
+    monitor = make_monitor(torch.device("cpu"), _Knee())
+    assert isinstance(monitor, KneeMonitor)
+    assert monitor.utilization(2) == 0.25
+    assert monitor.utilization(8) == 1.0
+    assert monitor.utilization(64) == 1.0  # capped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nvml_reports_a_busy_gpu() -> None:
+    pytest.importorskip("pynvml")
+    monitor = make_monitor(torch.device("cuda"), _Knee())
+    assert isinstance(monitor, NvmlMonitor)
+    monitor.interval = 0.0
+    idle = monitor.utilization(0)
+    assert 0.0 <= idle <= 1.0
+    x = torch.randn(8192, 8192, device="cuda")
+    busy = 0.0
+    for _ in range(50):  # keep the GPU busy across NVML's sample period
+        x = x @ x
+        x = x / x.norm()
+        busy = max(busy, monitor.utilization(0))
+    torch.cuda.synchronize()
+    assert busy > 0.5
