@@ -135,9 +135,21 @@ def load_or_calibrate(
         model.knee,
         model.context_coef * 1e6,
     )
-    if is_cached:
+    if is_cached and is_plausible(model):
         _write_atomic(path, json.dumps(model.to_dict()))
+    elif is_cached:
+        logger.warning(
+            "the step-time fit is flat up to %d tokens (other work on the machine?): not cached; "
+            "the online refinement takes it from here and the next start calibrates again",
+            model.grid[-1],
+        )
     return model
+
+
+def is_plausible(model: StepTimeModel) -> bool:
+    """A forward over 64+ tokens costs visibly more than over one on any real device; a fit that
+    says otherwise was timed while something else held the machine, and must not be cached."""
+    return model.grid[-1] < 64 or model.predict(model.grid[-1]) >= 1.2 * model.predict(1)
 
 
 def _cache_key(

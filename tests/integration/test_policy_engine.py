@@ -12,7 +12,7 @@ import pytest
 from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec.calibration import calibrate
+from engine.spec.calibration import calibrate, is_plausible
 from engine.spec.planner import Candidate, DraftPlanner
 
 KNEE = 8
@@ -196,7 +196,11 @@ def test_calibration_fits_what_it_times(target) -> None:
     model = calibrate(
         engine.runner, engine.block_manager, 64, engine.max_model_len, timer=fake_timer
     )
-    assert model.knee == 8
+    assert model.knee == 8 and is_plausible(model)
+    flat = calibrate(
+        engine.runner, engine.block_manager, 64, engine.max_model_len, timer=lambda n, c: 0.98
+    )
+    assert not is_plausible(flat)  # timed while something else held the machine: not cached
     assert model.predict(4, 0) == pytest.approx(0.2, rel=0.05)
     assert model.predict(64, 0) == pytest.approx(1.6, rel=0.05)
     real = calibrate(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1)
