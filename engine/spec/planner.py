@@ -42,10 +42,13 @@ if TYPE_CHECKING:
 
 # Weight of the newest measurement in the draft-cost estimate.
 _DRAFT_COST_RATE = 0.2
-# Speculate only where the predicted goodput beats no drafts by this much: the step-time model's
-# marginal costs are off by 10-30% at large batches on CPU (attention over many query rows costs
-# more than calibration on one sequence shows), and a smaller predicted gain is often a loss.
-MIN_PREDICTED_GAIN = 0.2
+# Speculate only where the predicted goodput beats no drafts by this much per decoding request
+# in the step (at most MAX_REQUIRED_GAIN): the step-time model's marginal costs are off by 10-30%
+# at large CPU batches (attention over many query rows of many sequences costs more than the
+# calibration on one sequence shows), so a small predicted gain at a large batch is often a loss,
+# while at batch 1 the model is close.
+GAIN_PER_REQUEST = 0.02
+MAX_REQUIRED_GAIN = 0.3
 # A first draft forward catching up on at least this many tokens measures the catch-up cost.
 _MIN_CATCH_UP_SAMPLE = 16
 # Sources that draft with a model: each draft depth costs one batched forward of it.
@@ -196,7 +199,8 @@ class DraftPlanner:
         )  # fmt: skip
         ks = list(allocation.num_draft_tokens)
         plain = goodput(alphas, [0] * len(ks), base_tokens, context, self.step_model, 0.0)
-        if any(ks) and allocation.goodput < plain * (1.0 + MIN_PREDICTED_GAIN):
+        required = min(MAX_REQUIRED_GAIN, GAIN_PER_REQUEST * len(ks))
+        if any(ks) and allocation.goodput < plain * (1.0 + required):
             # A gain the model's own error could erase is not worth the verify work.
             ks = [0] * len(ks)
             reasons = [r or "compute_bound" for r in reasons]
