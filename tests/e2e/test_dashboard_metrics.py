@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.app import create_app
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_idle
-from tests.unit.test_deploy import EXPORTED, deployment_metric_names
+from tests.metric_schema import EXPORTED
+from tests.unit.test_deploy import deployment_metric_names
 
 MODEL = "tiny-spec"
 PROMPTS = (

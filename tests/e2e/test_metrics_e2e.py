@@ -17,42 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.app import create_app
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_idle
+from tests.metric_schema import COUNTERS, GAUGES, HISTOGRAMS
 
 MODEL = "tiny-metrics"
 LABEL = {"model_name": MODEL}
-# Every series of the documented schema, as exposed (counters with _total, histograms by parts).
-GAUGES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",
-    "spec_decode_requests_speculating",
-    "spec_decode_requests_decoding",
-)
-COUNTERS = (
-    "prompt_tokens",
-    "generation_tokens",
-    "request_success",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens",
-    "spec_decode_num_accepted_tokens_per_pos",
-    "spec_decode_policy_decisions",
-    "spec_decode_num_cut_by_stop_tokens",
-    "spec_decode_num_prediction_accepted_tokens",
-    "spec_decode_num_prediction_rejected_tokens",
-)
-HISTOGRAMS = (
-    "time_to_first_token_seconds",
-    "inter_token_latency_seconds",
-    "e2e_request_latency_seconds",
-    "request_queue_time_seconds",
-    "spec_decode_draft_tokens_per_step",
-    "spec_decode_draft_time_seconds",
-    "spec_decode_verify_time_seconds",
-)
 SKIP_REASONS = (
     "request_opt_out",
     "batch_size",

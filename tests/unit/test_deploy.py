@@ -7,8 +7,8 @@
 - Compose: the base file, the CPU override and their merge (Compose's merge rules, `!reset`
   included) validated against the Compose Specification schema vendored in deploy/schemas/.
 - Prometheus and Grafana: configs parsed and wired to the compose services; every dashboard
-  query parsed as PromQL and naming only series the server exports (EXPORTED below mirrors the
-  server's metric list; tests/e2e/test_dashboard_metrics.py checks the same names on a live
+  query parsed as PromQL and naming only series the server exports (EXPORTED, from
+  tests/metric_schema.py, mirrors the server's metric list; tests/e2e/test_dashboard_metrics.py checks the same names on a live
   /metrics).
 - Helm: the chart linted and rendered by Helm's own engine (helm-python-sdk) for GPU, CPU and
   every option, each manifest validated against the Kubernetes 1.30 schemas (kubernetes-validate,
@@ -38,6 +38,7 @@ from packaging.requirements import Requirement
 
 from engine.models.bundled import cache_root
 from server.settings import load_settings
+from tests.metric_schema import EXPORTED
 
 jsonschema = pytest.importorskip("jsonschema")
 promql = pytest.importorskip("promql_parser")
@@ -53,50 +54,6 @@ DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "specserve"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
 KUBERNETES_VERSION = "1.30.0"
-
-# The series the server exports (prefix specserve:, label model_name), as Prometheus names them.
-GAUGES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",
-    "spec_decode_requests_speculating",
-    "spec_decode_requests_decoding",
-)
-COUNTERS = (
-    "prompt_tokens",
-    "generation_tokens",
-    "request_success",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens",
-    "spec_decode_num_accepted_tokens_per_pos",
-    "spec_decode_policy_decisions",
-    "spec_decode_num_cut_by_stop_tokens",
-    "spec_decode_num_prediction_accepted_tokens",
-    "spec_decode_num_prediction_rejected_tokens",
-)
-HISTOGRAMS = (
-    "time_to_first_token_seconds",
-    "inter_token_latency_seconds",
-    "e2e_request_latency_seconds",
-    "request_queue_time_seconds",
-    "spec_decode_draft_tokens_per_step",
-    "spec_decode_draft_time_seconds",
-    "spec_decode_verify_time_seconds",
-)
-EXPORTED = frozenset(
-    [f"specserve:{name}" for name in GAUGES]
-    + [f"specserve:{name}_total" for name in COUNTERS]
-    + [
-        f"specserve:{name}{suffix}"
-        for name in HISTOGRAMS
-        for suffix in ("_bucket", "_sum", "_count")
-    ]
-)
-
 
 # --- shared with tests/e2e/test_dashboard_metrics.py ------------------------------------------
 
