@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.device_monitor import make_monitor
@@ -108,9 +108,18 @@ class Speculator:
         predicted = [(r, k) for r, k in pending if r.prediction_token_ids]
         self._ask(self.prediction, predicted, drafts)
         pending = [(r, k) for r, k in pending if r.request_id not in drafts]
+        # Lookup drafts were already found while planning (same tokens, same index): reuse them,
+        # cut to the grant, instead of looking up twice; the model proposers draft the rest.
+        for request, k in pending:
+            draft = self._lookups.get(request.request_id)
+            if draft is not None:
+                drafts[request.request_id] = replace(draft, token_ids=draft.token_ids[:k])
+        pending = [(r, k) for r, k in pending if r.request_id not in drafts]
         for proposer in self.chain:
             if not pending:
                 break
+            if isinstance(proposer, LookupProposer):
+                continue  # found nothing while planning, so nothing now
             found = self._ask(proposer, pending, drafts)
             timing = getattr(proposer, "last_timing", None)
             if found and timing is not None:
