@@ -31,3 +31,29 @@ def to_json_schema(node: Any, schemas: dict[str, Any], stack: tuple[str, ...] = 
     if node.get("nullable"):
         return {"anyOf": [out, {"type": "null"}]}
     return out
+
+
+def spec_schemas() -> dict[str, Any]:
+    """The spec's components.schemas; skips the calling test when the spec is not there."""
+    import pytest
+    import yaml
+
+    if not SPEC_PATH.is_file():
+        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
+    with SPEC_PATH.open(encoding="utf-8") as f:
+        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return spec["components"]["schemas"]
+
+
+def validators(names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema validator per named component."""
+    import jsonschema
+
+    return {n: jsonschema.Draft202012Validator(to_json_schema(schemas[n], schemas)) for n in names}
+
+
+def assert_valid(checks: dict[str, Any], name: str, body: Any) -> Any:
+    """body, after asserting it validates against the named schema."""
+    errors = [f"{list(e.path)}: {e.message}" for e in checks[name].iter_errors(body)]
+    assert not errors, errors
+    return body

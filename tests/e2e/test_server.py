@@ -34,7 +34,7 @@ from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_healthy, wait_idle
-from tests.openapi_spec import SPEC_PATH, to_json_schema
+from tests.openapi_spec import assert_valid, spec_schemas, validators
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -88,11 +88,7 @@ def guarded(tiny_chat_model) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def schemas() -> dict[str, Any]:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
-    with SPEC_PATH.open(encoding="utf-8") as f:
-        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    found = spec["components"]["schemas"]
+    found = spec_schemas()
     names = [
         "CreateChatCompletionResponse",
         "CreateChatCompletionStreamResponse",
@@ -101,13 +97,7 @@ def schemas() -> dict[str, Any]:
         "Model",
         "ErrorResponse",
     ]
-    return {n: jsonschema.Draft202012Validator(to_json_schema(found[n], found)) for n in names}
-
-
-def _valid(schemas: dict[str, Any], name: str, body: Any) -> Any:
-    errors = [f"{list(e.path)}: {e.message}" for e in schemas[name].iter_errors(body)]
-    assert not errors, errors
-    return body
+    return validators(names, found)
 
 
 def _client(live: LiveServer, key: str = "unused", **kw: Any) -> openai.OpenAI:
@@ -170,15 +160,15 @@ def test_public_endpoints(server, schemas):
     with httpx.Client(base_url=server.base_url) as http:
         assert http.get("/health").json() == {"status": "ok"}
         assert http.get("/version").json()["version"]
-        models = _valid(schemas, "ListModelsResponse", http.get("/v1/models").json())
+        models = assert_valid(schemas, "ListModelsResponse", http.get("/v1/models").json())
         assert [m["id"] for m in models["data"]] == [MODEL]
-        assert _valid(schemas, "Model", http.get(f"/v1/models/{MODEL}").json())["id"] == MODEL
+        assert assert_valid(schemas, "Model", http.get(f"/v1/models/{MODEL}").json())["id"] == MODEL
         missing = http.get("/v1/models/other")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/chat/completions", 405)):
             response = http.request(method, path)
             assert response.status_code == status
-            _valid(schemas, "ErrorResponse", response.json())
+            assert_valid(schemas, "ErrorResponse", response.json())
         preflight = http.options(
             "/v1/chat/completions",
             headers={"Origin": "http://allowed.example", "Access-Control-Request-Method": "POST"},
@@ -200,7 +190,7 @@ def test_chat_stream_equals_non_stream(server, schemas, tiny_chat_model):
     client = _client(server)
     kw = dict(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
     full = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
-    _valid(schemas, "CreateChatCompletionResponse", full.model_dump(exclude_unset=True))
+    assert_valid(schemas, "CreateChatCompletionResponse", full.model_dump(exclude_unset=True))
     stream = client.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert (
@@ -223,7 +213,7 @@ def test_completions_batch_stream_equals_non_stream(server, schemas):
     for prompts in (["The sky is", "Once upon a time"], [[100, 200, 300], [400, 500]]):
         kw = dict(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
         full = client.completions.create(**kw)
-        _valid(schemas, "CreateCompletionResponse", full.model_dump(exclude_unset=True))
+        assert_valid(schemas, "CreateCompletionResponse", full.model_dump(exclude_unset=True))
         assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
         texts = {c.index: c.text for c in full.choices}
         assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: n copies agree
@@ -248,7 +238,7 @@ def test_raw_sse_matches_spec(server, schemas):
     *chunks, done = _events(response)
     assert done == "[DONE]" and "[DONE]" not in chunks
     for chunk in chunks:
-        _valid(schemas, "CreateChatCompletionStreamResponse", chunk)
+        assert_valid(schemas, "CreateChatCompletionStreamResponse", chunk)
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
@@ -266,7 +256,7 @@ def test_logprobs(server, schemas):
     extra = {"ignore_eos": True, "skip_special_tokens": False}
     kw = dict(model=MODEL, messages=HELLO, max_tokens=10, temperature=0, extra_body=extra)
     full = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
-    _valid(schemas, "CreateChatCompletionResponse", full.model_dump(exclude_unset=True))
+    assert_valid(schemas, "CreateChatCompletionResponse", full.model_dump(exclude_unset=True))
     content = full.choices[0].logprobs.content
     assert len(content) == 10
     for entry in content:
@@ -492,7 +482,7 @@ def test_bad_inputs_get_an_envelope_and_the_server_keeps_serving(server, schemas
             if response.status_code != status or not error or not error.get("message"):
                 failures.append((name, response.status_code, response.text[:200]))
                 continue
-            _valid(schemas, "ErrorResponse", response.json())
+            assert_valid(schemas, "ErrorResponse", response.json())
             assert error["type"] == "invalid_request_error", name
         assert not failures, failures
         chunked = http.post(path, content=iter([b"x" * 65536] * 5))  # no Content-Length

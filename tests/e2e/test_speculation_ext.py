@@ -20,12 +20,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from server.app import create_app
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_idle
-from tests.openapi_spec import SPEC_PATH, to_json_schema
+from tests.openapi_spec import assert_valid, spec_schemas, to_json_schema, validators
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -80,32 +79,20 @@ def stats_server(tiny_chat_model) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def schemas() -> dict[str, Any]:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
-    with SPEC_PATH.open(encoding="utf-8") as f:
-        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    found = spec["components"]["schemas"]
+    found = spec_schemas()
     names = [
         "CreateChatCompletionResponse",
         "CreateChatCompletionStreamResponse",
         "CreateCompletionResponse",
         "ErrorResponse",
     ]
-    validators = {
-        n: jsonschema.Draft202012Validator(to_json_schema(found[n], found)) for n in names
-    }
+    checks = validators(names, found)
     # The spec shares one schema between completions responses and chunks; a chunk's
     # finish_reason is null until the last one.
     chunk = copy.deepcopy(found["CreateCompletionResponse"])
     chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]["nullable"] = True
-    validators["CompletionChunk"] = jsonschema.Draft202012Validator(to_json_schema(chunk, found))
-    return validators
-
-
-def _valid(schemas: dict[str, Any], name: str, body: Any) -> Any:
-    errors = [f"{list(e.path)}: {e.message}" for e in schemas[name].iter_errors(body)]
-    assert not errors, errors
-    return body
+    checks["CompletionChunk"] = jsonschema.Draft202012Validator(to_json_schema(chunk, found))
+    return checks
 
 
 def _chat(content: str = REPEAT, **fields: Any) -> dict[str, Any]:
@@ -184,12 +171,12 @@ def _counters(live: LiveServer) -> dict[str, float]:
 def test_stats_are_absent_unless_asked(spec_server, schemas):
     for body in (_chat(), _chat(speculation={"enabled": True}), _completion(n=2)):
         name = "CreateChatCompletionResponse" if "messages" in body else "CreateCompletionResponse"
-        response = _valid(schemas, name, _post(spec_server, body))
+        response = assert_valid(schemas, name, _post(spec_server, body))
         assert all(STATS_KEY not in choice for choice in response["choices"])
     for chunk in _stream(spec_server, _chat(max_tokens=16)):
         assert all(STATS_KEY not in choice for choice in chunk["choices"])
     asked = _post(spec_server, _chat(speculation=ASK))
-    (choice,) = _valid(schemas, "CreateChatCompletionResponse", asked)["choices"]
+    (choice,) = assert_valid(schemas, "CreateChatCompletionResponse", asked)["choices"]
     _check_consistent(choice[STATS_KEY])
     assert choice[STATS_KEY]["num_spec_steps"] > 0  # the prompt makes the lookup find matches
 
@@ -225,7 +212,7 @@ def test_bad_speculation_values_are_400(spec_server, schemas, speculation, param
     for body in (_chat(speculation=speculation), _completion(speculation=speculation)):
         response = httpx.post(spec_server.base_url + _path(body), json=body, timeout=30)
         assert response.status_code == 400
-        error = _valid(schemas, "ErrorResponse", response.json())["error"]
+        error = assert_valid(schemas, "ErrorResponse", response.json())["error"]
         assert (error["type"], error["param"]) == ("invalid_request_error", param)
 
 
@@ -240,7 +227,7 @@ def test_stream_final_chunk_equals_non_streaming(spec_server, schemas, make_body
     chunks = _stream(spec_server, body)
     chunk_schema = "CreateChatCompletionStreamResponse" if "messages" in body else "CompletionChunk"
     for chunk in chunks:
-        _valid(schemas, chunk_schema, chunk)
+        assert_valid(schemas, chunk_schema, chunk)
     assert _final_stats(chunks) == {0: full_choice[STATS_KEY]}
     assert full_choice[STATS_KEY]["num_spec_steps"] > 0
     _check_consistent(full_choice[STATS_KEY])
@@ -263,7 +250,7 @@ def test_sums_reconcile_with_the_counters(stats_server, schemas):
     sampled = {"temperature": 1.0, "seed": 7}
     for body in (_completion(), _chat(n=2, **sampled), _completion(prompt=[NUMBERS, REPEAT])):
         name = "CreateChatCompletionResponse" if "messages" in body else "CreateCompletionResponse"
-        response = _valid(schemas, name, _post(stats_server, body))
+        response = assert_valid(schemas, name, _post(stats_server, body))
         reported += [choice[STATS_KEY] for choice in response["choices"]]
     for body in (_chat(), _completion(prompt=[REPEAT, NUMBERS], n=2, **sampled)):
         chunks = _stream(stats_server, body)
