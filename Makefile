@@ -58,7 +58,7 @@ bench: $(VENV)/.models
 	$(PY) bench/throughput.py
 	$(PY) bench/spec.py
 
-# The speculation policy over HTTP: modes off / always / auto, 1 to 32 streaming clients (~20 min
+# The speculation policy over HTTP: modes off / always / auto, 1 to 32 streaming clients (~25 min
 # on 2 CPU cores); writes bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
 bench-policy: $(VENV)/.models $(VENV)/.bench
 	$(PY) bench/policy.py $(ARGS)

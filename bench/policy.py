@@ -1,21 +1,26 @@
 """The speculation policy over HTTP: modes off / always / auto side by side in one run.
 
 For each mode the bench writes a copy of the config with `speculative_config.mode` set, starts
-`specserve serve` on a free port, waits for /health, warms up with one request, then sweeps the
-concurrency: c closed-loop streaming clients, each sending --requests-per-client chat requests
-(greedy, --max-tokens) drawn round-robin from a mixed code-edit + open-chat workload
-(bench/policy_workload.py). Per (mode, c): total tokens/s (completion tokens over the level's
-wall time), TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of
-one step) and the share of the policy's per-request decisions that speculated (/metrics deltas).
-Then, on the same server, a code-edit-only level at concurrency 1. The server is stopped
-(SIGTERM) before the next mode. The server runs with max_num_seqs >= the largest concurrency.
+`specserve serve` on a free port (one mode at a time), warms it up with one request and sweeps
+the concurrency: at each level, c streaming clients hold c chat requests in flight for
+--duration seconds (c / 8 times that past 8 clients) — a client sends its next request (greedy,
+--max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
+bench/policy_workload.py) as soon as its last one ends, and the requests still streaming when
+the window closes are cut off (the server aborts them). Holding the concurrency for the whole
+window measures the engine at c, not a ramp-down through every concurrency below it.
+
+Per (mode, c): total tokens/s (tokens streamed inside the window over its length), TTFT p50/p99,
+inter-token latency p50/p99 (per token, amortised over the tokens of one step) and the share of
+the policy's per-request decisions that speculated (/metrics deltas). Then a code-edit-only level
+at concurrency 1. The server runs with max_num_seqs >= the largest concurrency and
+--kv-cache-gib of KV cache.
 
 Prints a markdown table, "auto vs best(off, always)" per concurrency and whether the targets
 hold (auto within 3% of the best at every c; code edit at c=1: auto >= 1.5x off); writes JSON
 (--out) and a PNG (--plot, needs the `bench` extra: matplotlib).
 
     python bench/policy.py [--config configs/default.yaml] [--modes off,always,auto]
-        [--concurrency 1,2,4,8,16,32] [--requests-per-client 2] [--max-tokens 96]
+        [--concurrency 1,2,4,8,16,32] [--duration 40] [--max-tokens 96]
     python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2: about a minute
 """
 
@@ -58,11 +63,14 @@ from policy_workload import (  # noqa: E402
 
 logger = logging.getLogger("bench.policy")
 
+BUSY = ("specserve:num_requests_running", "specserve:num_requests_waiting")
+LONGER_FROM = 8  # concurrency past which a level's window grows with c
+
 SMOKE = {
     "config": "configs/smollm2-cpu.yaml",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 5},
     "concurrency": [1, 2],
-    "requests_per_client": 1,
+    "duration": 5.0,
     "max_tokens": 16,
     "out": "bench/results/policy-smoke.json",
     "plot": "bench/results/policy-smoke.png",
@@ -78,25 +86,30 @@ class BenchSettings:
     config: dict[str, Any]
     modes: tuple[str, ...]
     concurrency: tuple[int, ...]
-    requests_per_client: int
+    duration: float  # seconds each level holds its concurrency
     max_tokens: int
     is_code_edit_c1: bool
     burst_gap: float
     startup_timeout: float
+    kv_cache_memory: int | None = None  # bytes per server; None: the config's
 
 
 # --------------------------------------------------------------------------- the server
 
 
-def server_config(base: dict[str, Any], mode: str, max_num_seqs: int) -> dict[str, Any]:
-    """A copy of the YAML config that serves `mode`, one SSE chunk per token, and admits
-    `max_num_seqs` requests at once (at least the config's)."""
+def server_config(
+    base: dict[str, Any], mode: str, max_num_seqs: int, kv_cache_memory: int | None = None
+) -> dict[str, Any]:
+    """A copy of the YAML config that serves `mode`, one SSE chunk per token, admits
+    `max_num_seqs` requests at once (at least the config's) and, if given, sizes the KV cache."""
     engine = dict(base.get("engine") or {})
     spec = engine.get("speculative_config")
     if not spec:
         raise SystemExit("bench/policy.py: the config has no engine.speculative_config to vary.")
     engine["speculative_config"] = {**spec, "mode": mode}
     engine["max_num_seqs"] = max(int(engine.get("max_num_seqs", 16)), max_num_seqs)
+    if kv_cache_memory is not None:
+        engine["kv_cache_memory"] = kv_cache_memory
     server = {**(base.get("server") or {}), "host": "127.0.0.1"}
     server["stream_one_token_per_chunk"] = True  # one arrival time per token
     return {"engine": engine, "server": server}
@@ -154,11 +167,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 async def stream_request(
-    client: httpx.AsyncClient, body: dict[str, Any], prompt_index: int
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    prompt_index: int,
+    reader: ChatStreamReader | None = None,
 ) -> RequestResult:
-    """One streamed chat completion; a failure becomes a result with `error` set."""
-    sent_at = time.perf_counter()
-    reader = ChatStreamReader(sent_at)
+    """One streamed chat completion; a failure becomes a result with `error` set. Cancelling
+    the task closes the stream (the server aborts the request); `reader` keeps what arrived."""
+    reader = reader or ChatStreamReader(time.perf_counter())
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -176,29 +192,60 @@ async def stream_request(
 
 async def run_level(
     url: str, model: str, prompts: Sequence[str], concurrency: int, settings: BenchSettings
-) -> tuple[list[RequestResult], float, float | None]:
-    """c closed-loop clients; client i sends requests i, i + c, i + 2c, ... Returns the
-    results, the wall time and the share of decisions that speculated."""
+) -> tuple[list[RequestResult], tuple[float, float], float | None]:
+    """c closed-loop clients for level_duration(...) seconds; client i sends requests i, i + c,
+    i + 2c, ... and its request in flight when the window closes is cut off. Returns the
+    results, the window (start, end) and the share of decisions that speculated."""
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
     headers = auth_headers(settings.config)
     async with httpx.AsyncClient(
         base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
     ) as client:
-
-        async def one_client(i: int) -> list[RequestResult]:
-            results = []
-            for j in range(settings.requests_per_client):
-                index = (j * concurrency + i) % len(prompts)
-                body = chat_body(model, prompts[index], settings.max_tokens)
-                results.append(await stream_request(client, body, index))
-            return results
-
         before = decision_counts(parse_prometheus((await client.get("/metrics")).text))
         start = time.perf_counter()
+        end = start + level_duration(settings.duration, concurrency)
+
+        async def one_client(i: int) -> list[RequestResult]:
+            results, j = [], 0
+            while (left := end - time.perf_counter()) > 0:
+                index = (j * concurrency + i) % len(prompts)
+                body = chat_body(model, prompts[index], settings.max_tokens)
+                reader = ChatStreamReader(time.perf_counter())
+                try:
+                    result = await asyncio.wait_for(
+                        stream_request(client, body, index, reader), left
+                    )
+                except TimeoutError:
+                    now = time.perf_counter()
+                    result = dataclasses.replace(reader.result(index, now), cancelled=True)
+                results.append(result)
+                j += 1
+            return results
+
         per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
-        wall = time.perf_counter() - start
+        await wait_idle(client, settings.startup_timeout)
         after = decision_counts(parse_prometheus((await client.get("/metrics")).text))
-    return [r for rs in per_client for r in rs], wall, speculating_share(before, after)
+    return [r for rs in per_client for r in rs], (start, end), speculating_share(before, after)
+
+
+def level_duration(duration: float, concurrency: int) -> float:
+    """The window of a level: `duration`, longer past LONGER_FROM clients in proportion to c —
+    one round of c requests takes about c / LONGER_FROM times longer there (the batch is
+    compute-bound), and a window must hold several rounds, not one round and its prefill
+    burst."""
+    return duration * max(1.0, concurrency / LONGER_FROM)
+
+
+async def wait_idle(client: httpx.AsyncClient, timeout: float) -> None:
+    """Until the server has aborted the cut-off requests: nothing running or waiting."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        series = parse_prometheus((await client.get("/metrics")).text)
+        busy = sum(value for name in BUSY for _, value in series.get(name, []))
+        if busy == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the server still had requests in flight after {timeout:.0f} s")
 
 
 def chat_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -217,29 +264,45 @@ def auth_headers(config: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def bench_mode(mode: str, settings: BenchSettings) -> list[LevelResult]:
-    """Every level of one mode on one server."""
-    config = server_config(settings.config, mode, max(settings.concurrency))
+def bench_all(settings: BenchSettings) -> list[LevelResult]:
+    """Every level of every mode, one mode's server at a time (three servers at once would not
+    fit this machine's memory beside each other without paging)."""
     levels = [("mixed", c) for c in settings.concurrency]
     levels += [("code_edit", 1)] if settings.is_code_edit_c1 else []
     results = []
-    with running_server(config, settings.startup_timeout) as url:
-        model = httpx.get(f"{url}/v1/models", headers=auth_headers(config)).json()["data"][0]["id"]
-        one = dataclasses.replace(settings, requests_per_client=1)
-        warmup, _, _ = asyncio.run(run_level(url, model, WORKLOADS["mixed"]()[:1], 1, one))
-        if warmup[0].error:
-            raise RuntimeError(f"warm-up failed: {warmup[0].error}")
-        for workload, c in levels:
-            runs, wall, share = asyncio.run(
-                run_level(url, model, WORKLOADS[workload](), c, settings)
-            )
-            level = summarize_level(mode, workload, c, runs, wall, share, settings.burst_gap)
-            for r in runs:
-                if r.error:
-                    logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
-            logger.info("%s %s c=%d: %.2f tokens/s", mode, workload, c, level.tokens_per_s)
-            results.append(level)
+    for mode in settings.modes:
+        config = server_config(
+            settings.config, mode, max(settings.concurrency), settings.kv_cache_memory
+        )
+        with running_server(config, settings.startup_timeout) as url:
+            model = httpx.get(f"{url}/v1/models", headers=auth_headers(config)).json()
+            model = model["data"][0]["id"]
+            warm_up(url, model, settings)
+            for workload, c in levels:
+                runs, window, share = asyncio.run(
+                    run_level(url, model, WORKLOADS[workload](), c, settings)
+                )
+                level = summarize_level(mode, workload, c, runs, window, share, settings.burst_gap)
+                for r in runs:
+                    if r.error:
+                        logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
+                logger.info("%s %s c=%d: %.2f tokens/s", mode, workload, c, level.tokens_per_s)
+                results.append(level)
     return results
+
+
+def warm_up(url: str, model: str, settings: BenchSettings) -> None:
+    """One short request, so the first level does not pay for first-use costs."""
+
+    async def one() -> RequestResult:
+        headers = auth_headers(settings.config)
+        async with httpx.AsyncClient(base_url=url, timeout=900.0, headers=headers) as client:
+            body = chat_body(model, WORKLOADS["mixed"]()[0], settings.max_tokens)
+            return await stream_request(client, body, 0)
+
+    result = asyncio.run(one())
+    if result.error:
+        raise RuntimeError(f"warm-up failed: {result.error}")
 
 
 # --------------------------------------------------------------------------- the report
@@ -257,7 +320,8 @@ def format_table(levels: Sequence[LevelResult]) -> str:
         "| % speculating | errors |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(levels, key=lambda r: (r.concurrency, r.mode not in ("off", "always"))):
+    order = {"off": 0, "always": 1, "auto": 2}
+    for r in sorted(levels, key=lambda r: (r.concurrency, order.get(r.mode, len(order)))):
         off = base.get((r.workload, r.concurrency))
         ratio = f"{r.tokens_per_s / off:.2f}x" if off else "-"
         share = "-" if r.speculating_share is None else f"{100 * r.speculating_share:.0f}%"
@@ -367,7 +431,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--modes", default="off,always,auto")
     parser.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32))
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=40.0,
+        help="seconds each level holds its concurrency (c / 8 times that past c = 8)",
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
         "--code-edit-c1",
@@ -377,6 +446,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     )
     parser.add_argument("--burst-gap-ms", type=float, default=5.0, help="tokens of one step")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="KV cache per server (0: the config's)"
+    )
     parser.add_argument("--out", default="bench/results/policy.json")
     parser.add_argument("--plot", default="docs/policy.png")
     parser.add_argument("--smoke", action="store_true", help="SmolLM2-135M, n-gram, c=1,2")
@@ -386,20 +458,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     if args.smoke:
         config["engine"]["speculative_config"] = SMOKE["speculative_config"]
         args.concurrency = tuple(SMOKE["concurrency"])
-        args.requests_per_client, args.max_tokens = (
-            SMOKE["requests_per_client"],
-            SMOKE["max_tokens"],
-        )
+        args.duration, args.max_tokens = SMOKE["duration"], SMOKE["max_tokens"]
         args.out, args.plot = SMOKE["out"], SMOKE["plot"]
     settings = BenchSettings(
         config=config,
         modes=tuple(args.modes.split(",")),
         concurrency=tuple(args.concurrency),
-        requests_per_client=args.requests_per_client,
+        duration=args.duration,
         max_tokens=args.max_tokens,
         is_code_edit_c1=args.code_edit_c1,
         burst_gap=args.burst_gap_ms / 1000,
         startup_timeout=args.startup_timeout,
+        kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib > 0 else None,
     )
     return settings, args
 
@@ -409,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     settings, args = parse_args(argv)
     start = time.perf_counter()
-    levels = [level for mode in settings.modes for level in bench_mode(mode, settings)]
+    levels = bench_all(settings)
     logger.info("swept %d levels in %.0f s", len(levels), time.perf_counter() - start)
     sys.stdout.write(report(levels))
     out = ROOT / args.out

@@ -6,9 +6,11 @@ answer copies most of the prompt, where n-gram drafts shine) interleaved with op
 so every mode sees the same requests in the same order.
 
 Measurements: per request the arrival time of every streamed token (the server is started with
-one SSE chunk per token), its time to first token and its completion tokens (from `usage`); per
-level the percentiles over requests (TTFT) and over tokens (inter-token latency), and the share
-of the policy's per-request decisions that speculated, from Prometheus counter deltas.
+one SSE chunk per token). A level holds its concurrency for a fixed window: its throughput counts
+the tokens that arrived inside the window, whether their request finished there or was cut off at
+its end. Per level also the percentiles over requests (TTFT) and over tokens (inter-token
+latency) inside the window, and the share of the policy's per-request decisions that speculated,
+from Prometheus counter deltas.
 """
 
 from __future__ import annotations
@@ -133,17 +135,24 @@ WORKLOADS = {"mixed": mixed_prompts, "code_edit": code_edit_prompts}
 
 @dataclass(frozen=True)
 class RequestResult:
-    """One streamed request: times are seconds after the request was sent."""
+    """One streamed request: token times and latency are seconds after it was sent, at `sent_at`
+    (the bench's clock). A request cut off at the end of its level's window is `cancelled`."""
 
     prompt_index: int
     token_times: tuple[float, ...]  # arrival of each streamed token (content chunk)
     num_completion_tokens: int  # from usage; the number of chunks when usage is missing
     latency: float
     error: str | None = None
+    sent_at: float = 0.0
+    cancelled: bool = False
 
     @property
     def ttft(self) -> float | None:
         return self.token_times[0] if self.token_times else None
+
+    def tokens_within(self, start: float, end: float) -> list[float]:
+        """Arrival times (relative to sending) of the tokens that arrived in [start, end]."""
+        return [t for t in self.token_times if start <= self.sent_at + t <= end]
 
 
 @dataclass(frozen=True)
@@ -153,16 +162,17 @@ class LevelResult:
     mode: str
     workload: str
     concurrency: int
-    num_requests: int
+    num_requests: int  # finished inside the window
     num_errors: int
-    num_completion_tokens: int
-    wall_time: float
+    num_completion_tokens: int  # streamed inside the window
+    wall_time: float  # the window
     tokens_per_s: float
     ttft_p50: float | None
     ttft_p99: float | None
     itl_p50: float | None
     itl_p99: float | None
     speculating_share: float | None  # None: the server exports no policy decisions
+    num_cancelled: int = 0  # still streaming when the window closed
 
 
 class StreamError(RuntimeError):
@@ -253,6 +263,7 @@ class ChatStreamReader:
             token_times=tuple(self.token_times),
             num_completion_tokens=len(self.token_times) if tokens is None else tokens,
             latency=now - self.sent_at,
+            sent_at=self.sent_at,
         )
 
 
@@ -301,22 +312,27 @@ def summarize_level(
     workload: str,
     concurrency: int,
     results: Sequence[RequestResult],
-    wall_time: float,
+    window: tuple[float, float],
     share: float | None,
     burst_gap: float,
 ) -> LevelResult:
-    """Aggregate a level: tokens/s over its wall time, TTFT percentiles over requests, ITL
-    percentiles over all tokens of all requests. Failed requests count as errors only."""
-    done = [r for r in results if r.error is None]
-    ttfts = [r.ttft for r in done if r.ttft is not None]
-    itls = [x for r in done for x in amortized_itl(r.token_times, burst_gap)]
-    num_tokens = sum(r.num_completion_tokens for r in done)
+    """Aggregate a level over its window (start, end) on the bench's clock: tokens/s counts the
+    tokens that arrived inside it (of finished and cut-off requests alike), TTFT percentiles
+    cover the requests whose first token arrived inside it, ITL percentiles the tokens inside it.
+    Failed requests count as errors only."""
+    start, end = window
+    ok = [r for r in results if r.error is None]
+    inside = [r.tokens_within(start, end) for r in ok]
+    ttfts = [r.ttft for r, times in zip(ok, inside, strict=True) if times and times[0] == r.ttft]
+    itls = [x for times in inside for x in amortized_itl(times, burst_gap)]
+    num_tokens = sum(len(times) for times in inside)
+    wall_time = end - start
     return LevelResult(
         mode=mode,
         workload=workload,
         concurrency=concurrency,
-        num_requests=len(results),
-        num_errors=len(results) - len(done),
+        num_requests=sum(1 for r in ok if not r.cancelled),
+        num_errors=len(results) - len(ok),
         num_completion_tokens=num_tokens,
         wall_time=wall_time,
         tokens_per_s=num_tokens / wall_time if wall_time > 0 else 0.0,
@@ -325,4 +341,5 @@ def summarize_level(
         itl_p50=percentile(itls, 50),
         itl_p99=percentile(itls, 99),
         speculating_share=share,
+        num_cancelled=sum(1 for r in ok if r.cancelled),
     )

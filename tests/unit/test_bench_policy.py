@@ -132,21 +132,95 @@ def test_prometheus_decisions_and_speculating_share():
     assert W.speculating_share({}, {}) is None  # server without the counters
 
 
-def test_summarize_level_counts_tokens_over_wall_time_and_skips_errors():
+def test_summarize_level_counts_tokens_inside_the_window_and_skips_errors():
+    # window (10.0, 12.0) on the bench's clock; token times are relative to sent_at
     results = [
-        W.RequestResult(0, (0.1, 0.2, 0.3), 3, 0.3),
-        W.RequestResult(1, (0.3, 0.5), 2, 0.5),
-        W.RequestResult(2, (0.9,), 1, 1.0, error="HTTP 503"),
+        W.RequestResult(0, (0.1, 0.2, 0.3), 3, 0.3, sent_at=10.0),  # all inside
+        W.RequestResult(1, (0.3, 0.5), 2, 0.5, sent_at=10.0),  # all inside
+        W.RequestResult(2, (0.9,), 1, 1.0, error="HTTP 503", sent_at=10.0),
+        # sent before the window: its first token (and TTFT) falls outside it
+        W.RequestResult(3, (0.5, 1.2), 2, 1.2, sent_at=9.0),
+        # cut off at the end: its tokens inside count, the one after does not
+        W.RequestResult(4, (0.2, 0.4, 9.0), 3, 9.0, sent_at=11.5, cancelled=True),
     ]
-    level = W.summarize_level("auto", "mixed", 2, results, 2.0, 0.25, burst_gap=0.001)
-    assert level.num_requests == 3 and level.num_errors == 1
-    assert level.num_completion_tokens == 5
-    assert level.tokens_per_s == pytest.approx(2.5)
+    level = W.summarize_level("auto", "mixed", 2, results, (10.0, 12.0), 0.25, burst_gap=0.001)
+    assert level.num_requests == 3 and level.num_errors == 1 and level.num_cancelled == 1
+    assert level.num_completion_tokens == 3 + 2 + 1 + 2
+    assert level.wall_time == pytest.approx(2.0)
+    assert level.tokens_per_s == pytest.approx(8 / 2.0)
+    # TTFTs of requests whose first token arrived inside: 0.1, 0.3, 0.2
     assert level.ttft_p50 == pytest.approx(0.2)
     assert level.ttft_p99 == pytest.approx(0.1 + 0.2 * 0.99)
-    assert level.itl_p50 == pytest.approx(0.1)  # ITLs: 0.1, 0.1, 0.2
-    assert level.itl_p99 == pytest.approx(0.1 + 0.1 * 0.98)
+    # ITLs inside: 0.1, 0.1 | 0.2 | (one token) | 0.2
+    assert level.itl_p50 == pytest.approx(0.15)
     assert level.speculating_share == 0.25
+    empty = W.summarize_level("off", "mixed", 1, [], (0.0, 1.0), None, 0.001)
+    assert empty.tokens_per_s == 0.0 and empty.ttft_p50 is None
+
+
+def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window():
+    """Two clients against a mock server that streams a token every 20 ms: each keeps one
+    request in flight; the ones streaming at the end of the window are cancelled, and the
+    level waits for the server to report nothing running before reading the decisions."""
+    state = {"sent": 0, "open": 0, "max_open": 0, "polls_busy": 2}
+
+    async def tokens(count: int):
+        state["open"] += 1
+        state["max_open"] = max(state["max_open"], state["open"])
+        try:
+            yield (_chunk(role="assistant", content="") + "\n\n").encode()
+            for _ in range(count):
+                await asyncio.sleep(0.02)
+                yield (_chunk(content="t") + "\n\n").encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            state["open"] -= 1
+
+    def metrics() -> str:
+        busy = 1 if state["polls_busy"] > 0 else 0
+        state["polls_busy"] -= 1
+        return METRICS.replace(
+            'num_requests_running{model_name="m"} 3.0',
+            f'num_requests_running{{model_name="m"}} {busy}',
+        )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics())
+        state["sent"] += 1
+        # the first request of each client is short, the rest outlast the window
+        count = 3 if state["sent"] <= 2 else 1000
+        return httpx.Response(200, content=tokens(count))
+
+    settings = P.BenchSettings({}, ("auto",), (2,), 0.3, 8, False, 0.001, 5.0)
+    prompts = ["p0", "p1", "p2", "p3"]
+
+    async def run():
+        transport = httpx.MockTransport(handler)
+        original = httpx.AsyncClient
+
+        def client(**kw):
+            return original(transport=transport, **kw)
+
+        P.httpx.AsyncClient, saved = client, P.httpx.AsyncClient
+        try:
+            return await P.run_level("http://x", "m", prompts, 2, settings)
+        finally:
+            P.httpx.AsyncClient = saved
+
+    results, (start, end), share = asyncio.run(run())
+    assert end - start == pytest.approx(0.3)
+    assert state["max_open"] == 2 and state["open"] == 0  # c in flight, all closed after
+    assert state["polls_busy"] < 0  # waited until the server reported nothing running
+    assert sorted(r.prompt_index for r in results) == [0, 1, 2, 3]  # i, i + c per client
+    done = [r for r in results if not r.cancelled]
+    cut = [r for r in results if r.cancelled]
+    assert len(done) == 2 and len(cut) == 2
+    assert all(len(r.token_times) == 3 and r.error is None for r in done)
+    assert all(r.error is None and 0 < len(r.token_times) < 1000 for r in cut)
+    assert share is None  # the same counters before and after: nothing decided
+    level = W.summarize_level("auto", "mixed", 2, results, (start, end), share, 0.001)
+    assert level.num_completion_tokens == sum(len(r.token_times) for r in results)
 
 
 def test_workloads_are_distinct_and_code_edits_carry_their_code():
@@ -170,6 +244,8 @@ def test_server_config_sets_mode_and_admits_every_client():
     assert config["server"]["stream_one_token_per_chunk"] is True
     assert base["engine"]["speculative_config"] == {"method": "ngram"}  # the base is untouched
     assert P.server_config(base, "off", 4)["engine"]["max_num_seqs"] == 16
+    assert "kv_cache_memory" not in config["engine"]
+    assert P.server_config(base, "off", 4, 2**30)["engine"]["kv_cache_memory"] == 2**30
     with pytest.raises(SystemExit):
         P.server_config({"engine": {"model": "m"}}, "auto", 1)
 
