@@ -33,9 +33,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +57,7 @@ from policy_workload import (  # noqa: E402
     speculating_share,
     summarize_level,
 )
+from processes import free_port, running, wait_ready  # noqa: E402
 
 logger = logging.getLogger("bench.policy")
 
@@ -115,12 +113,6 @@ def server_config(
     return {"engine": engine, "server": server}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[str]:
     """Start `specserve serve` on `config`, yield its base URL once /health is 200, stop it."""
@@ -130,37 +122,10 @@ def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[s
         port = free_port()
         command = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
         command += ["--port", str(port), "--log-level", "warning"]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
+        with running(command, log_path) as proc:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, startup_timeout, log_path)
+            wait_ready(f"{url}/health", proc, log_path, startup_timeout)
             yield url
-        finally:
-            stop_server(proc)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --------------------------------------------------------------------------- the clients

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
 import re
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,48 +48,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from policy_workload import FUNCTIONS, OPEN_CHAT, code_edit_prompts  # noqa: E402
+from processes import free_port, running, wait_ready  # noqa: E402
 
 logger = logging.getLogger("render_dashboard")
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specserve.json"
 # The offered load as a share of --max-clients over the run: (fraction of the run, share).
 RAMP = ((0.0, 0.0), (0.12, 0.0), (0.42, 1.0), (0.58, 1.0), (0.88, 0.0), (1.0, 0.0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running(command: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `command` with its output in `log_path`; SIGTERM it (then SIGKILL) on the way out."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
-    """Poll `url` until it answers 200; fail early if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s (log: {log_path})")
 
 
 def offered_clients(fraction: float, max_clients: int) -> int:
