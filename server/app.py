@@ -14,12 +14,11 @@ as an OpenAI envelope; a 500 carries no exception text.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -132,36 +131,18 @@ _T = TypeVar("_T")
 
 
 async def _in_own_thread(fn: Callable[..., _T], *args: object) -> _T:
-    """fn(*args) on a thread of its own that ends with it, not on the event loop's executor.
+    """fn(*args) on a one-shot thread that ends with it, not on the event loop's executor.
 
     Loading runs model forwards (warm-up, calibration), and the OpenMP runtime keeps a team of
     worker threads for every thread that ran parallel work until that thread exits. A persistent
     executor thread would leave its team behind, and with more OpenMP threads alive than CPUs,
     GNU OpenMP stops spin-waiting between parallel regions: the engine thread's workers then
-    sleep and wake at every operator (measured here over HTTP at 32 clients: ~3,000 context
-    switches a second per thread, a quarter of the CPU idle, ~25% fewer tokens/s)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: _T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed while loading: nobody waits
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="specserve-loader", daemon=True).start()
-    return await future
+    sleep and wake at every operator (the README's policy bench shows what that cost)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-loader")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread exits once fn returns
 
 
 async def _log_stats(app: FastAPI, interval: float) -> None:
