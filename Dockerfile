@@ -3,8 +3,14 @@
 #
 #   docker build -t specserve:gpu .
 #   docker run --gpus all -p 8000:8000 -v specserve-models:/home/specserve/.cache/specserve \
-#       specserve:gpu                                   # serves configs/default.yaml
-#   docker run ... specserve:gpu --config /app/configs/smollm2-cpu.yaml --max-num-seqs 64
+#       specserve:gpu                       # serves configs/gpu-qwen2.5-coder-1.5b.yaml
+#   docker run ... -v /srv/models:/models:ro specserve:gpu \
+#       --config /app/configs/gpu-llama3.1-8b.yaml --max-num-seqs 32
+#
+# The default config is the GPU preset of the bundled models (no weights to mount): flash_attn,
+# bfloat16 and 256-token KV pages, the combination flash-attn 2 runs. Every configs/gpu-*.yaml is
+# such a preset; its header says where its weights are expected. The settings are resolved and
+# checked at startup, so a host without a usable GPU stops with a message naming what is wrong.
 #
 # Settings: the arguments after the image name replace the default `--config ...` and go to
 # `specserve serve`; SPECSERVE_* variables override the YAML file field by field (see
@@ -88,4 +94,4 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('SPECSERVE_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["specserve", "serve"]
-CMD ["--config", "/app/configs/default.yaml"]
+CMD ["--config", "/app/configs/gpu-qwen2.5-coder-1.5b.yaml"]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.attention import backend_spec, resolve_attention_backend
 from engine.spec.config import SpeculativeConfig
 from engine.tokenizer import config_eos_token_ids
 
@@ -36,7 +37,17 @@ SUPPORTED_ARCHITECTURES = (
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the user asked for. Sizes left as None are derived from the model and the device."""
+    """What the user asked for, with the hardware choices resolved once, when it is built.
+
+    `device`, `attention_backend` and `block_size` are resolved together in `__post_init__`:
+    device "auto" is "cuda" when torch sees a GPU, else "cpu"; attention_backend "auto" is
+    flash_attn on CUDA with flash-attn installed (when it accepts the dtype and block size asked
+    for), else torch; block_size None is the backend's default (16 for torch, 256 for
+    flash_attn). Afterwards all three are concrete, and a combination the backend cannot run
+    (flash_attn on CPU, float32, pages of 16 tokens) has already raised a ValueError saying what
+    would work. `dtype` "auto" depends on the checkpoint: `torch_dtype` resolves it to a dtype the
+    backend accepts. Sizes left as None are derived from the model and the device.
+    """
 
     model: str
     dtype: Dtype = "auto"
@@ -44,7 +55,9 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     max_model_len: int | None = None
-    block_size: int = 16
+    # None (the default): the attention backend's default. __post_init__ always sets it, so every
+    # reader sees an int, which is what the annotation states.
+    block_size: int = None  # type: ignore[assignment]
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
@@ -52,6 +65,11 @@ class EngineConfig:
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
     seed: int = 0
     tokenizer: str | None = None
+    # CUDA: the share of the device's memory the engine may use (weights, activations and the KV
+    # of every model); the KV budget is what is left of it once every weight is loaded.
+    gpu_memory_utilization: float = 0.9
+    # CUDA: run every step eagerly instead of replaying captured CUDA graphs for small steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -61,28 +79,73 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}."
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}.")
+        self._resolve_hardware()
+
+    def _resolve_hardware(self) -> None:
+        """Make device, attention_backend and block_size concrete, checked against each other."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device_type = torch.device(device).type
+        except RuntimeError:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}.") from None
+        backend = resolve_attention_backend(
+            self.attention_backend, device_type, self._explicit_dtypes(), self.block_size
+        )
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "attention_backend", backend.name)
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", backend.default_block_size)
+
+    def _explicit_dtypes(self) -> dict[str, str]:
+        """The dtypes the models will run in that are known now, by setting: the target's unless
+        "auto" (see `torch_dtype`), and the draft model's when speculative_config names one."""
+        dtypes = {} if self.dtype == "auto" else {"dtype": str(self.dtype)}
+        spec = self.speculative_config
+        draft_dtype = spec.draft_dtype if isinstance(spec, SpeculativeConfig) else None
+        if draft_dtype is not None:
+            if draft_dtype not in _DTYPES:
+                raise ValueError(
+                    "speculative_config.draft_dtype must be one of bfloat16, float16, float32; "
+                    f"got {draft_dtype!r}."
+                )
+            dtypes["speculative_config.draft_dtype"] = draft_dtype
+        return dtypes
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """'auto' takes the checkpoint's dtype, except float16 on CPU, which is slow there."""
+        """'auto' takes the checkpoint's dtype, except float16 on CPU, which is slow there, and a
+        dtype the attention backend refuses, which becomes the backend's preferred one (a float32
+        checkpoint on flash_attn runs in bfloat16)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         dtype = _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
         if dtype == torch.float16 and self.torch_device().type == "cpu":
-            return torch.bfloat16
+            dtype = torch.bfloat16
+        backend = backend_spec(self.attention_backend)
+        if not backend.supports_dtype(dtype):
+            assert backend.dtypes, "a backend that refuses a dtype lists the ones it accepts"
+            dtype = _DTYPES[backend.dtypes[0]]
         return dtype
 
 

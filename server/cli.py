@@ -20,6 +20,8 @@ from server.settings import FIELDS, Settings, add_settings_flags, load_settings
 _ENGINE_FIELDS = (
     "model",
     "dtype",
+    "device",
+    "attention_backend",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",
@@ -27,16 +29,24 @@ _ENGINE_FIELDS = (
     "num_kv_blocks",
     "kv_cache_memory",
     "speculative_config",
+    "gpu_memory_utilization",
+    "enforce_eager",
 )
 
 
 def load_cli_settings(
     config_path: str | None, args: argparse.Namespace, fields: tuple[str, ...] = FIELDS
 ) -> Settings:
-    """`load_settings` from the flags among `fields`: a bad setting exits with its message."""
+    """`load_settings` from the flags among `fields`: a bad setting exits with its message.
+
+    The engine configuration is resolved here too (device, attention backend, block size), so a
+    combination this machine cannot run stops the command before any model loads.
+    """
     flags = {name: getattr(args, name, None) for name in fields}
     try:
-        return load_settings(config_path, flags)
+        settings = load_settings(config_path, flags)
+        settings.engine_config()
+        return settings
     except (OSError, ValueError) as e:
         raise SystemExit(f"specserve: {e}") from None
 
@@ -130,7 +140,8 @@ def _install_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `specserve` parser: serve, generate and install-model, with one flag per setting."""
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     # The settings' log_level (YAML, SPECSERVE_LOG_LEVEL) applies unless this flag is given.
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
@@ -148,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--convert", action="store_true", help="also build the cached model now")
     for subparser in (serve, gen):  # also after the command; SUPPRESS keeps the one before
         subparser.add_argument("--log-level", default=argparse.SUPPRESS, help="default: info")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     settings = load_cli_settings(args.config, args) if args.command == "serve" else None
     level = args.log_level or (settings.log_level if settings else "info")
     logging.basicConfig(

@@ -43,7 +43,7 @@ class Settings(BaseModel):
     max_num_seqs: Annotated[int, Field(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 256
     max_model_len: Annotated[int | None, Field(ge=2)] = None
-    block_size: Annotated[int, Field(ge=1)] = 16
+    block_size: Annotated[int | None, Field(ge=1)] = None  # None: the attention backend's
     kv_cache_memory: Annotated[int | None, Field(ge=1)] = None
     num_kv_blocks: Annotated[int | None, Field(ge=1)] = None
     enable_prefix_caching: bool = True
@@ -51,6 +51,8 @@ class Settings(BaseModel):
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     tokenizer: str | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    enforce_eager: bool = False
 
     # --- server ---
     host: str = "127.0.0.1"
@@ -106,11 +108,23 @@ class Settings(BaseModel):
 
 
 FIELDS = tuple(Settings.model_fields)
-_BOOL_FLAGS = {"enable_prefix_caching", "stream_one_token_per_chunk", "speculation_stats"}
+_BOOL_FLAGS = {
+    "enable_prefix_caching",
+    "enforce_eager",
+    "stream_one_token_per_chunk",
+    "speculation_stats",
+}
 _FLAG_HELP = {
     "model": "bundled model name, Hugging Face directory or .gguf file",
     "served_model_name": "the name clients send as `model` (default: --model)",
     "api_key": f"require `Authorization: Bearer KEY` (or set {ENV_PREFIX}API_KEY)",
+    "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
+    "attention_backend": "auto (flash_attn on CUDA with flash-attn installed, else torch), "
+    "torch or flash_attn",
+    "block_size": "KV cache page size in tokens (default: the attention backend's, "
+    "16 for torch, 256 for flash_attn)",
+    "gpu_memory_utilization": "CUDA: share of the GPU's memory the engine may use, in (0, 1]",
+    "enforce_eager": "CUDA: run every step eagerly (no CUDA graphs)",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     "cors_allow_origins": "comma-separated origins allowed by CORS ('*' for any)",
     "shutdown_timeout": "seconds in-flight requests may finish after SIGTERM",

@@ -13,6 +13,10 @@
 - Helm: the chart linted and rendered by Helm's own engine (helm-python-sdk) for GPU, CPU and
   every option, each manifest validated against the Kubernetes 1.30 schemas (kubernetes-validate,
   strict), the ServiceMonitor and HPA wiring checked, and the embedded settings loaded.
+- Configs: every configs/gpu-*.yaml resolves to flash_attn, bfloat16 and 256-token pages on a
+  (faked) CUDA node and is refused on CPU; every other config resolves on CPU to the torch
+  backend; the GPU image, compose service and Helm values serve a GPU preset, the CPU ones a CPU
+  config.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from engine.models.bundled import cache_root
+from engine.config import EngineConfig
+from engine.models.bundled import BUNDLED_MODELS, cache_root
 from server.settings import load_settings
 from tests.metric_schema import EXPORTED
+from tests.unit.test_config import cpu_node, fake_cuda_node
 
 jsonschema = pytest.importorskip("jsonschema")
 promql = pytest.importorskip("promql_parser")
@@ -54,6 +60,10 @@ DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "specserve"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
 KUBERNETES_VERSION = "1.30.0"
+CONFIGS = ROOT / "configs"
+GPU_PRESETS = sorted(CONFIGS.glob("gpu-*.yaml"))
+CPU_CONFIGS = sorted(set(CONFIGS.glob("*.yaml")) - set(GPU_PRESETS))
+GPU_IMAGE_CONFIG = CONFIGS / "gpu-qwen2.5-coder-1.5b.yaml"
 
 # --- shared with tests/e2e/test_dashboard_metrics.py ------------------------------------------
 
@@ -203,6 +213,33 @@ def test_dockerfile_runtime_settings(dockerfile, monkeypatch):
     assert f"EXPOSE {settings.port}" in {f"{kw} {a}" for kw, a in _stages(dockerfile)[-1]}
 
 
+def _image_config(dockerfile: Path) -> Path:
+    """The configs/ file an image serves when run without arguments (its CMD)."""
+    cmd = json.loads(_final(dockerfile, "CMD"))
+    return CONFIGS / cmd[cmd.index("--config") + 1].removeprefix("/app/configs/")
+
+
+def test_images_serve_a_config_for_their_hardware(monkeypatch):
+    gpu_path = _image_config(ROOT / "Dockerfile")
+    assert gpu_path == GPU_IMAGE_CONFIG and gpu_path in GPU_PRESETS
+    env = {k: v for k, v in _values(ROOT / "Dockerfile", "ENV").items() if "$" not in v}
+    fake_cuda_node(monkeypatch)
+    config = load_settings(gpu_path, environ=env).engine_config()
+    _assert_gpu_preset(config)
+    # The default serves the models baked into the image: nothing to mount.
+    baked = _values(ROOT / "Dockerfile", "ARG")["MODELS"].split()
+    assert {config.model, config.speculative_config.model} <= set(baked)
+
+    cpu_path = _image_config(ROOT / "Dockerfile.cpu")
+    assert cpu_path in CPU_CONFIGS
+    cpu_node(monkeypatch)
+    env = {k: v for k, v in _values(ROOT / "Dockerfile.cpu", "ENV").items() if "$" not in v}
+    config = load_settings(cpu_path, environ=env).engine_config()
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
+    baked = _values(ROOT / "Dockerfile.cpu", "ARG")["MODELS"].split()
+    assert {config.model, config.speculative_config.model} <= set(baked)
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     status = 200
 
@@ -278,6 +315,69 @@ def test_cpu_image_uses_the_ci_torch():
 
 def _pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+# --- Configs ----------------------------------------------------------------------------------
+
+
+def _assert_gpu_preset(config: EngineConfig) -> None:
+    """What flash-attn 2 runs: CUDA, bfloat16, pages of 256 tokens; plus the preset's policy."""
+    resolved = (config.device, config.attention_backend, config.block_size, config.dtype)
+    assert resolved == ("cuda", "flash_attn", 256, "bfloat16")
+    assert config.gpu_memory_utilization == 0.9 and config.enforce_eager is False
+    spec = config.speculative_config
+    assert spec is not None and spec.methods == ("ngram", "draft_model") and spec.mode == "auto"
+    assert 3 <= spec.num_speculative_tokens <= 8
+
+
+def test_configs_are_gpu_presets_or_cpu_configs():
+    assert {p.name for p in GPU_PRESETS} >= {
+        "gpu-qwen2.5-coder-1.5b.yaml",
+        "gpu-qwen2.5-coder-7b.yaml",
+        "gpu-llama3.1-8b.yaml",
+    }
+    assert {p.name for p in CPU_CONFIGS} >= {"default.yaml", "smollm2-cpu.yaml"}
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=lambda p: p.name)
+def test_gpu_preset_resolves_on_a_cuda_node_only(path, monkeypatch):
+    settings = load_settings(path, environ={})
+    fake_cuda_node(monkeypatch)
+    config = settings.engine_config()
+    _assert_gpu_preset(config)
+    assert config.max_num_seqs >= 32 and config.max_num_batched_tokens >= 2048
+    assert config.max_model_len is not None and config.max_model_len >= 8192
+    draft = config.speculative_config.model
+    header = path.read_text().split("\nengine:")[0]
+    if config.model.startswith("/"):  # Hugging Face directories: the header says how to mount
+        assert config.model.startswith("/models/") and draft.startswith("/models/")
+        assert config.model in header and draft in header and ":/models:ro" in header
+        assert settings.served_model_name, "clients should not have to send a path as `model`"
+    else:
+        assert {config.model, draft} <= set(BUNDLED_MODELS)
+    # Anywhere flash-attn cannot run, the preset is refused when the config is built.
+    cpu_node(monkeypatch)
+    with pytest.raises(ValueError, match="flash_attn runs on cuda only, not cpu"):
+        settings.engine_config()
+    fake_cuda_node(monkeypatch, flash_attn=False)
+    with pytest.raises(ValueError, match="flash_attn is not available"):
+        settings.engine_config()
+
+
+@pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda p: p.name)
+def test_cpu_config_resolves_on_cpu_and_on_gpu(path, monkeypatch):
+    settings = load_settings(path, environ={})
+    assert "block_size" not in settings.engine_kwargs(), "let the attention backend pick it"
+    cpu_node(monkeypatch)
+    config = settings.engine_config()
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
+    fake_cuda_node(monkeypatch)  # never an impossible combination, whatever the node
+    config = settings.engine_config()
+    assert (config.device, config.attention_backend, config.block_size) == (
+        "cuda",
+        "flash_attn",
+        256,
+    )
 
 
 # --- Compose ----------------------------------------------------------------------------------
@@ -391,6 +491,19 @@ def test_compose_gpu_and_cpu_services(compose_models):
     assert {k: v for k, v in cpu.items() if k not in ("build", "image")} == {
         k: v for k, v in gpu.items() if k not in ("build", "image", "deploy")
     }
+
+
+def _compose_config(service: dict[str, Any]) -> Path:
+    """The configs/ file a compose service serves: its command's, else its image's CMD's."""
+    args = service.get("command") or json.loads(
+        _final(ROOT / service["build"]["dockerfile"], "CMD")
+    )
+    return CONFIGS / args[args.index("--config") + 1].removeprefix("/app/configs/")
+
+
+def test_compose_services_serve_configs_for_their_hardware(compose_models):
+    assert _compose_config(compose_models["gpu"]["services"]["specserve"]) in GPU_PRESETS
+    assert _compose_config(compose_models["cpu"]["services"]["specserve"]) in CPU_CONFIGS
 
 
 def test_compose_wiring(compose_models):
@@ -542,6 +655,10 @@ ALL_OPTIONS = {
     "runtimeClassName": "nvidia",
     "extraArgs": ["--max-num-seqs", "8"],
     "env": [{"name": "SPECSERVE_LOG_LEVEL", "value": "debug"}],
+    "extraVolumes": [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ],
+    "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
 }
 VARIANTS = {"gpu": None, "cpu": "cpu", "all-options": ALL_OPTIONS}
 
@@ -606,10 +723,13 @@ def test_helm_probes_and_ports():
     assert env["SPECSERVE_HOST"] == "0.0.0.0" and int(env["SPECSERVE_PORT"]) == port_names["http"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert env["SPECSERVE_CACHE"] == mounts["model-cache"]
+    assert mounts["models"] == "/models"
+    (deployment,) = manifests["Deployment"]
+    volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert set(mounts) <= volumes
     assert container["args"][:2] == ["--config", f"{mounts['config']}/config.yaml"]
     assert container["args"][2:] == ["--max-num-seqs", "8"]
     (service,) = manifests["Service"]
-    (deployment,) = manifests["Deployment"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert service["spec"]["ports"][0]["targetPort"] == "http"
@@ -648,18 +768,27 @@ def _config_settings(manifests: dict[str, list[dict[str, Any]]], tmp_path: Path)
     return load_settings(path, environ=env)
 
 
-def test_helm_config_is_a_valid_settings_file(tmp_path):
-    settings = _config_settings(_render(), tmp_path)
+def test_helm_config_is_the_gpu_image_preset(tmp_path, monkeypatch):
+    manifests = _render()
+    (config_map,) = manifests["ConfigMap"]
+    preset = yaml.safe_load(GPU_IMAGE_CONFIG.read_text())
+    assert yaml.safe_load(config_map["data"]["config.yaml"]) == {"engine": preset["engine"]}
+    settings = _config_settings(manifests, tmp_path)
     assert settings.host == "0.0.0.0"
-    assert settings.engine_config().speculative_config.num_speculative_tokens == 5
+    fake_cuda_node(monkeypatch)
+    config = settings.engine_config()
+    _assert_gpu_preset(config)
+    assert config.speculative_config.num_speculative_tokens == 5
 
 
-def test_helm_cpu_config_is_configs_default(tmp_path):
+def test_helm_cpu_config_is_configs_default(tmp_path, monkeypatch):
     manifests = _render(_cpu_values())
     (config_map,) = manifests["ConfigMap"]
     default = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     assert yaml.safe_load(config_map["data"]["config.yaml"]) == {"engine": default["engine"]}
-    _config_settings(manifests, tmp_path).engine_config()
+    cpu_node(monkeypatch)
+    config = _config_settings(manifests, tmp_path).engine_config()
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
 
 
 def test_helm_config_file_is_passed_verbatim():
