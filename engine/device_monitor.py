@@ -9,7 +9,9 @@ tokens over the compute-bound knee (1.0 once the step would be compute-bound wit
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -33,15 +35,36 @@ class KneeMonitor:
         return min(1.0, num_step_tokens / max(1, self.step_model.knee))
 
 
+def nvml_device(cuda_index: int, environ: Mapping[str, str] | None = None) -> int | str:
+    """The NVML name of CUDA device `cuda_index` as torch numbers it: an NVML index, or a UUID.
+
+    torch counts only the devices CUDA_VISIBLE_DEVICES lets it see, in the order it lists them;
+    NVML counts every device on the node. With CUDA_VISIBLE_DEVICES=2,3 torch's cuda:0 is NVML
+    device 2; entries may also be UUIDs (GPU-..., MIG-...), which NVML looks up by UUID."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return cuda_index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if cuda_index >= len(entries):
+        raise ValueError(f"cuda:{cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}.")
+    entry = entries[cuda_index]
+    return int(entry) if entry.isdigit() else entry
+
+
 class NvmlMonitor:
-    """GPU: NVML utilization of one device, cached for `interval` seconds."""
+    """GPU: NVML utilization of one device (torch's numbering), cached for `interval` seconds."""
 
     def __init__(self, device_index: int = 0, interval: float = 0.1) -> None:
         import pynvml  # nvidia-ml-py, part of the gpu extra
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        name = nvml_device(device_index)
+        if isinstance(name, int):
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(name)
+        else:
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
         self.interval = interval
         self._value = 0.0
         self._read_at = -float("inf")

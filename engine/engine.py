@@ -14,22 +14,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.memory import log_memory, plan_for
 from engine.metrics import EngineMetrics
 from engine.models.bundled import resolve_model
 from engine.output_processor import RequestGroup, append_tokens, new_group
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, SeqChunk, kv_cache_blocks
+from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Draft
-from engine.spec.speculator import ProposerContext, Speculator
+from engine.spec.speculator import DEFAULT_PREDICTION_TOKENS, ProposerContext, Speculator
 from engine.spec.stats import PolicyStats, SpecStats
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.verifier import StepTokens, Verifier
@@ -53,23 +56,37 @@ class LLMEngine:
                 dict.fromkeys(self.eos_token_ids + eos_token_ids(self.tokenizer, model_path))
             )
             self.model_config = replace(self.model_config, eos_token_ids=self.eos_token_ids)
-        dtype = config.torch_dtype(self.model_config)
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        num_blocks = kv_cache_blocks(config, self.model_config, dtype, max_len)
+        spec_config = config.speculative_config
+        assert spec_config is None or isinstance(spec_config, SpeculativeConfig)
+        # Every model's weights first, then one KV budget measured after them for the KV of all.
+        max_positions = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, max_positions)
+        self.draft_runner = _load_draft_runner(
+            config, spec_config, self.runner, max_positions, self.tokenizer
+        )
+        runners = [r for r in (self.runner, self.draft_runner) if r is not None]
+        num_drafts = (
+            spec_config.num_speculative_tokens if spec_config else DEFAULT_PREDICTION_TOKENS
+        )
+        plan = plan_for(config, runners, max_positions, num_drafts)
+        num_blocks = plan.num_blocks
+        max_len = max_positions
         if config.max_model_len is None:
             max_len = min(max_len, num_blocks * config.block_size)
         elif max_len > num_blocks * config.block_size:
             raise ValueError(
                 f"max_model_len {max_len} does not fit in the KV cache "
-                f"({num_blocks} blocks of {config.block_size} tokens)."
+                f"({num_blocks} blocks of {config.block_size} tokens; budget from {plan.source})."
             )
         self.max_model_len = max_len
-        self.runner = ModelRunner(config, self.model_config, max_len, num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            # The draft's multi-token forwards are catch-up prompt chunks: decode graphs only.
+            self.draft_runner.allocate_kv_cache(num_blocks, max_query_len=1)
+        log_memory(plan, runners, config.block_size)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        spec_config = config.speculative_config
-        assert spec_config is None or isinstance(spec_config, SpeculativeConfig)
         self.speculator = Speculator(spec_config, ProposerContext(self))
         self.scheduler = Scheduler(
             self.block_manager,
@@ -211,11 +228,16 @@ class LLMEngine:
         drafting = self.speculator.stats.draft_time - draft_time
         if any(s.num_draft_tokens for s in schedule.scheduled):
             self.metrics.draft_time.observe(drafting)
-        start = time.perf_counter()
+        device = self.runner.device
+        start = device.mark()
         chunks, items = self._build_batch(schedule, drafts)
         logits = self.runner.forward(chunks)
         results = self.verifier.run(logits, items) if logits is not None else []
-        seconds = time.perf_counter() - start
+        end = device.mark()
+        # The step's one synchronisation: every mark taken in it (the draft model's too) has
+        # passed, so the times below are device work, not kernel launches.
+        device.synchronize()
+        seconds = device.elapsed(start, end)
         if drafts:
             self.speculator.stats.verify_time += seconds
             self.metrics.verify_time.observe(seconds)
@@ -314,6 +336,39 @@ class LLMEngine:
         self.scheduler.update(request, num_computed)
         if status is not None:
             self._finish(request, status)
+
+
+def _load_draft_runner(
+    config: EngineConfig,
+    spec: SpeculativeConfig | None,
+    target: ModelRunner,
+    max_positions: int,
+    tokenizer: Any,
+) -> ModelRunner | None:
+    """The draft model's runner (weights only) when the speculative config has one, in
+    spec.draft_dtype or the target's dtype; it must share the target's tokenizer."""
+    if spec is None or "draft_model" not in spec.methods:
+        return None
+    assert spec.model is not None
+    draft_config = ModelConfig.from_path(resolve_model(spec.model))
+    _check_draft_vocabulary(draft_config.vocab_size, target.model_config.vocab_size, tokenizer)
+    dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
+    return ModelRunner(config, draft_config, max_positions, dtype)
+
+
+def _check_draft_vocabulary(draft_vocab: int, target_vocab: int, tokenizer: Any) -> None:
+    """Checkpoints of one family pad their embedding tables differently (Qwen2.5-Coder: 152,064
+    rows at 7B, 151,936 at 1.5B), so the two vocabulary sizes may differ as long as both cover
+    every id the shared tokenizer makes; the draft never proposes an id past the target's."""
+    if draft_vocab == target_vocab:
+        return
+    num_ids = len(tokenizer) if tokenizer is not None else None
+    if num_ids is None or num_ids > min(draft_vocab, target_vocab):
+        covers = f"the tokenizer's {num_ids} ids" if num_ids else "a tokenizer's ids"
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
+            f"({target_vocab}) and they do not both cover {covers}; they must share a tokenizer."
+        )
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -86,14 +86,19 @@ class Request:
         self.prediction_token_ids: tuple[int, ...] = ()
         self.spec_stats = SpecStats()
 
-    def generator(self, output_index: int, stream: int = 0) -> torch.Generator:
-        """The generator for the token at output position output_index (stream 0: sampling it;
-        other streams: the verifier's and the draft model's draws for that position).
+    def generator(
+        self, output_index: int, device: torch.device, stream: int = 0
+    ) -> torch.Generator:
+        """The generator, on `device` (where the logits it draws for live), for the token at
+        output position output_index (stream 0: sampling it; other streams: the verifier's and
+        the draft model's draws for that position).
 
         Keying randomness by position makes a seeded request sample the same tokens whatever
         else shares its batch, and whether or not its tokens were drafted: with one-hot drafts
-        the verifier draws each position's token exactly as plain sampling would."""
-        generator = torch.Generator()
+        the verifier draws each position's token exactly as plain sampling would. The draws of
+        one seed are the same on every run of one device type; CPU and CUDA generators are
+        different algorithms, so they differ from each other."""
+        generator = torch.Generator(device=device)
         generator.manual_seed(_mix(self.sampling_seed, output_index, stream))
         return generator
 

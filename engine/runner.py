@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.attention import BatchLayout, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
+from engine.device import Device
 from engine.models.llama import ForwardContext, RotaryEmbedding
 from engine.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_MEMORY = 2 << 30  # bytes
 
 
 @dataclass(frozen=True)
@@ -37,69 +38,84 @@ class SeqChunk:
         assert self.token_ids and 0 <= self.num_logits <= len(self.token_ids)
 
 
-def kv_cache_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
-) -> int:
-    """How many KV blocks to allocate: num_kv_blocks, else kv_cache_memory bytes, else enough for
-    max_num_seqs full-length sequences, capped by a default memory budget."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    bytes_per_block = model_config.kv_bytes_per_token * dtype.itemsize * config.block_size
-    memory = config.kv_cache_memory
-    if memory is None:
-        wanted = config.max_num_seqs * -(-max_model_len // config.block_size) * bytes_per_block
-        memory = min(wanted, _default_memory(config))
-    return max(1, memory // bytes_per_block)
-
-
-def _default_memory(config: EngineConfig) -> int:
-    device = config.torch_device()
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    return _DEFAULT_CPU_KV_MEMORY
-
-
 class ModelRunner:
-    """Runs one model (the target, or a draft) over paged KV."""
+    """Runs one model (the target, or a draft) over paged KV.
+
+    Built in two steps so one budget can size the KV of every model: `__init__` loads the weights
+    (and the attention backend and RoPE tables), then, once every model is loaded and the budget
+    measured, `allocate_kv_cache` allocates the per-layer KV tensors."""
 
     def __init__(
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        max_model_len: int,
-        num_blocks: int,
+        max_positions: int,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.device = config.torch_device()
+        self.config = config
+        self.device = Device(config.torch_device())
+        self.model_config = model_config
+        self.name = model_config.path.name
         self.dtype = dtype or config.torch_dtype(model_config)
         self.block_size = config.block_size
-        self.model = load_model(model_config, self.dtype, self.device)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(model_config, self.dtype, self.device.torch)
+        self.backend = get_attention_backend(config.attention_backend, self.device.torch)
+        # Sized for the longest context the engine may allow (max_model_len is settled only
+        # after the KV budget), and built before the budget is measured so it counts.
         self.rope = RotaryEmbedding(
-            model_config.hf_config, model_config.head_dim, max_model_len, self.device
+            model_config.hf_config, model_config.head_dim, max_positions, self.device.torch
         )
-        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self.num_blocks = 0
+        # Captured CUDA graphs of small steps, made once the KV exists (None: run eagerly).
+        self.graphs: Any = None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of K and V one block takes across all layers."""
+        return self.model_config.kv_bytes_per_token * self.dtype.itemsize * self.block_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def pad_block(self) -> int:
+        """The physical block after the last one the block manager hands out: no request owns
+        it, so padded tokens of a captured CUDA graph write their K/V there."""
+        assert self.kv_caches, "allocate_kv_cache first"
+        return self.num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int, max_query_len: int | None = None) -> None:
+        """Per layer, K and V of [num_blocks + 1, block_size, num_kv_heads, head_dim]: the
+        num_blocks the block manager owns, then `pad_block`. Zeroed, so a slot never written
+        holds no NaN for a masked attention weight of 0 to multiply. Then, on CUDA, capture the
+        small steps' graphs (`max_query_len`: the longest query of one sequence a captured step
+        may have; see engine.cuda_graphs.make_cuda_graphs)."""
+        assert not self.kv_caches and num_blocks >= 1
+        cfg = self.model_config
+        shape = (num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = tuple(
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device.torch),
+                torch.zeros(shape, dtype=self.dtype, device=self.device.torch),
             )
-            for _ in range(model_config.num_layers)
+            for _ in range(cfg.num_layers)
         )
-        logger.info(
-            "%s KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
-            model_config.path.name,
-            num_blocks,
-            config.block_size,
-            2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / 2**20,
-            self.backend.name,
-        )
+        self.num_blocks = num_blocks
+        self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
         """One forward over all chunks -> logits [sum of num_logits, vocab_size] (model dtype),
-        rows in chunk order, or None when no chunk asks for logits."""
+        rows in chunk order, or None when no chunk asks for logits. A decode or verify step
+        that fits a captured CUDA graph replays it instead."""
+        if self.graphs is not None:
+            logits = self.graphs.forward(chunks)
+            if logits is not NOT_CAPTURED:
+                return logits
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -116,19 +132,19 @@ class ModelRunner:
             query_lens=tuple(len(c.token_ids) for c in chunks),
             seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
             block_tables=tuple(tuple(c.block_table) for c in chunks),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
             block_size=bs,
         )
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        pos = self.device.tensor(positions, torch.int64)  # [num_tokens]
         cos, sin = self.rope(pos, self.dtype)
         ctx = ForwardContext(
             backend=self.backend,
-            attn_metadata=self.backend.build_metadata(layout, self.device),
+            attn_metadata=self.backend.build_metadata(layout, self.device.torch),
             kv_caches=self.kv_caches,
             cos=cos,
             sin=sin,
         )
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        ids = self.device.tensor(token_ids, torch.int64)  # [num_tokens]
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
         if not logit_idx:
             return None

@@ -36,6 +36,7 @@ from itertools import chain
 
 import torch
 
+from engine.device import to_device
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -109,7 +110,7 @@ class Sampler:
         token_ids = processed.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_idx:
-            idx = torch.tensor(random_idx, device=processed.device)
+            idx = _host_to(processed.device, random_idx, torch.int64)
             token_ids[idx] = _exponential_race(processed[idx], [rows[i] for i in random_idx])
         return with_logprobs(processed, token_ids, rows)
 
@@ -149,9 +150,9 @@ def _set_entries(
     if not kept:
         return
     device = logits.device
-    rows_t = torch.tensor([row_ids[j] for j in kept], device=device)
-    cols_t = torch.tensor([token_ids[j] for j in kept], device=device)
-    vals_t = torch.tensor([values[j] for j in kept], dtype=logits.dtype, device=device)
+    rows_t = _host_to(device, [row_ids[j] for j in kept], torch.int64)
+    cols_t = _host_to(device, [token_ids[j] for j in kept], torch.int64)
+    vals_t = _host_to(device, [values[j] for j in kept], logits.dtype)
     logits.index_put_((rows_t, cols_t), vals_t, accumulate=add)
 
 
@@ -184,14 +185,20 @@ def _flat_positions(
 ) -> torch.Tensor:
     """[total_tokens] int64: row * vocab_size + token for every token of every list, i.e. each
     token's position in the flattened [num_rows * vocab_size] logits."""
-    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    rows_of_tokens = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths)
-    return (rows_of_tokens * vocab_size + tokens).to(device)
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64, device="cpu")
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device="cpu")
+    row_of = torch.tensor(row_ids, dtype=torch.int64, device="cpu")
+    rows_of_tokens = torch.repeat_interleave(row_of, lengths)
+    return to_device(rows_of_tokens * vocab_size + tokens, device)
+
+
+def _host_to(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """Host values as a tensor on `device` (built on the host, copied without blocking)."""
+    return to_device(torch.tensor(values, dtype=dtype, device="cpu"), device)
 
 
 def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)  # [n]
+    return _host_to(device, values, torch.float32)  # [n]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -248,7 +255,7 @@ def _truncate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     device = logits.device
     params = [rows[i].params for i in trunc_idx]
-    idx = torch.tensor(trunc_idx, device=device)
+    idx = _host_to(device, trunc_idx, torch.int64)
     sub = logits[idx]  # [num_trunc, vocab_size]
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
     top_ps = [p.top_p for p in params]
@@ -281,7 +288,7 @@ def _sorted_head(sub: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> t
         # top_p needs every token that top_k keeps. Logits tied with the k-th one (common in
         # bf16) may spill past the head; widen it until they fit.
         kth = _kth_largest(head, top_ks)  # [n, 1]
-        spills = (head[:, -1:] >= kth).squeeze(1) & torch.tensor(is_top_p, device=sub.device)
+        spills = (head[:, -1:] >= kth).squeeze(1) & _host_to(sub.device, is_top_p, torch.bool)
         if not bool(spills.any()):
             return head
         width *= 4
@@ -291,9 +298,9 @@ def _sorted_head(sub: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> t
 def _kth_largest(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     """[n, 1] threshold: the k-th largest logit per row, -inf where top_k is off (k == 0)."""
     device = sorted_logits.device
-    k = torch.tensor([max(k, 1) for k in top_ks], device=device).unsqueeze(1)  # [n, 1]
+    k = _host_to(device, [max(k, 1) for k in top_ks], torch.int64).unsqueeze(1)  # [n, 1]
     kth = sorted_logits.gather(1, k - 1)
-    is_off = torch.tensor([k == 0 for k in top_ks], device=device).unsqueeze(1)
+    is_off = _host_to(device, [k == 0 for k in top_ks], torch.bool).unsqueeze(1)
     return kth.masked_fill(is_off, _NEG_INF)
 
 
@@ -322,7 +329,7 @@ def _exponential_race(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> t
         noise.uniform_()
     elif len(seeded) < len(rows):
         unseeded = [j for j, row in enumerate(rows) if row.generator is None]
-        noise[torch.tensor(unseeded, device=probs.device)] = torch.rand(
+        noise[_host_to(probs.device, unseeded, torch.int64)] = torch.rand(
             (len(unseeded), probs.shape[1]), device=probs.device
         )
     for j in seeded:

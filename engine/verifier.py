@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, with_logprobs
@@ -66,21 +67,26 @@ class _History(Sequence[int]):
         yield from self._extra
 
 
-def sampling_row(request: Request, draft_ids: Sequence[int], stream: int = 0) -> SamplingRow:
-    """The row for the position after request's output followed by draft_ids."""
+def sampling_row(
+    request: Request, draft_ids: Sequence[int], device: torch.device, stream: int = 0
+) -> SamplingRow:
+    """The row for the position after request's output followed by draft_ids; its generator
+    lives on `device`, the device of the logits it samples."""
     params, output = request.params, request.output_token_ids
     index = len(output) + len(draft_ids)
     return SamplingRow(
         params=params,
         prompt_token_ids=request.prompt_token_ids,
         output_token_ids=_History(output, draft_ids) if draft_ids else output,
-        generator=None if params.is_greedy else request.generator(index, stream),
+        generator=None if params.is_greedy else request.generator(index, device, stream),
     )
 
 
-def sampling_rows(request: Request, draft_ids: Sequence[int]) -> list[SamplingRow]:
+def sampling_rows(
+    request: Request, draft_ids: Sequence[int], device: torch.device
+) -> list[SamplingRow]:
     """The len(draft_ids) + 1 rows of a request verifying draft_ids (one row without drafts)."""
-    return [sampling_row(request, draft_ids[:j]) for j in range(len(draft_ids) + 1)]
+    return [sampling_row(request, draft_ids[:j], device) for j in range(len(draft_ids) + 1)]
 
 
 class Verifier:
@@ -97,7 +103,7 @@ class Verifier:
         rows = [
             row
             for (req, _), ids in zip(items, drafts, strict=True)
-            for row in sampling_rows(req, ids)
+            for row in sampling_rows(req, ids, logits.device)
         ]
         starts = _row_starts(drafts)
         is_prob = [
@@ -140,7 +146,9 @@ class Verifier:
             torch.cat([items[i][1].probs for i in spec]),  # type: ignore[union-attr, misc]
             [
                 [
-                    items[i][0].generator(len(items[i][0].output_token_ids) + j, VERIFY_STREAM)
+                    items[i][0].generator(
+                        len(items[i][0].output_token_ids) + j, logits.device, VERIFY_STREAM
+                    )
                     for j in range(len(drafts[i]) + 1)
                 ]
                 for i in spec
@@ -150,7 +158,10 @@ class Verifier:
             tokens[i], accepted[i] = out, num
         # Logprobs of the emitted tokens, each at its own row.
         emit_rows = [starts[i] + j for i, out in enumerate(tokens) for j in range(len(out))]
-        emitted = torch.tensor([t for out in tokens for t in out], dtype=torch.int64)
+        emitted = to_device(
+            torch.tensor([t for out in tokens for t in out], dtype=torch.int64, device="cpu"),
+            processed.device,
+        )
         scored = with_logprobs(processed[emit_rows], emitted, [rows[r] for r in emit_rows])
         return _results(tokens, accepted, drafts, _row_starts([t[1:] for t in tokens]), scored)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import BatchLayout
+from engine.device import to_device
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,12 @@ class TorchAttentionBackend:
         bs = layout.block_size
         per_req_slots = []
         for table, seq_len in zip(layout.block_tables, layout.seq_lens, strict=True):
-            blocks = torch.tensor(table[: (seq_len + bs - 1) // bs], dtype=torch.int64)
-            slots = (blocks[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:seq_len]
-            per_req_slots.append(slots.to(device))
+            blocks = torch.tensor(
+                table[: (seq_len + bs - 1) // bs], dtype=torch.int64, device="cpu"
+            )
+            offsets = torch.arange(bs, device="cpu")
+            slots = (blocks[:, None] * bs + offsets[None, :]).flatten()[:seq_len]
+            per_req_slots.append(to_device(slots, device))
 
         if len(set(layout.query_lens)) == 1:
             return self._uniform(layout, per_req_slots, device)
@@ -60,7 +64,8 @@ class TorchAttentionBackend:
                 (start, start + query_len, slots, _causal_mask(query_len, seq_len, device))
             )
             start += query_len
-        return TorchAttentionMetadata(layout.slot_mapping.to(device), None, None, tuple(ragged))
+        slot_mapping = to_device(layout.slot_mapping, device)
+        return TorchAttentionMetadata(slot_mapping, None, None, tuple(ragged))
 
     def _uniform(
         self, layout: BatchLayout, per_req_slots: list[torch.Tensor], device: torch.device
@@ -72,13 +77,13 @@ class TorchAttentionBackend:
             ctx_slots[i, : slots.numel()] = slots
         mask = None
         if len(set(layout.seq_lens)) > 1 or query_len > 1:
-            seq_lens = torch.tensor(layout.seq_lens, device=device)
+            seq_lens = to_device(torch.tensor(layout.seq_lens, device="cpu"), device)
             # Position of each query row, then "key position <= query position" (which also masks
             # the padding past each request's own context).
             q_pos = seq_lens[:, None] - query_len + torch.arange(query_len, device=device)[None, :]
             k_pos = torch.arange(max_len, device=device)
             mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
-        return TorchAttentionMetadata(layout.slot_mapping.to(device), ctx_slots, mask, ())
+        return TorchAttentionMetadata(to_device(layout.slot_mapping, device), ctx_slots, mask, ())
 
     def forward(
         self,

@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +56,15 @@ class RotaryEmbedding:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+            inv_freq = 1.0 / (theta**exponents)
             scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         else:
             raise ValueError(f"unsupported rope type {rope_type!r}.")
-        positions = torch.arange(max_positions, dtype=torch.float)
+        # Tables are computed on the host once, then kept on the device.
+        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.cos = (emb.cos() * scaling).to(device)

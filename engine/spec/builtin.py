@@ -24,29 +24,18 @@ def _prediction(spec: SpeculativeConfig | None, context: Any) -> Proposer:
 
 @register_proposer("draft_model")
 def _draft_model(spec: SpeculativeConfig, context: Any) -> Proposer:
-    import torch
-
-    from engine.config import ModelConfig
-    from engine.models.bundled import resolve_model
-    from engine.runner import ModelRunner
+    """The draft model's runner is built by the engine (its weights load before the KV budget is
+    measured, and its KV shares the target's budget and block ids); this wires it up."""
     from engine.sampler import Sampler
     from engine.spec.draft_model import DraftModelProposer
 
     engine = context.engine
-    assert spec.model is not None
-    draft_config = ModelConfig.from_path(resolve_model(spec.model))
-    if draft_config.vocab_size != engine.model_config.vocab_size:
-        raise ValueError(
-            f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
-            f"target's ({engine.model_config.vocab_size}); they must share a tokenizer."
-        )
-    dtype = engine.runner.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
-    runner = ModelRunner(
-        engine.config, draft_config, engine.max_model_len, engine.block_manager.num_blocks, dtype
-    )
+    runner = engine.draft_runner
+    assert runner is not None, "the engine loads the draft model when a method names it"
     return DraftModelProposer(
         runner,
-        Sampler(draft_config.vocab_size, engine.eos_token_ids),
+        Sampler(runner.model_config.vocab_size, engine.eos_token_ids),
         engine.block_manager,
         spec.draft_min_confidence,
+        vocab_size=engine.model_config.vocab_size,
     )

@@ -55,10 +55,9 @@ def time_forward(
         chunk = SeqChunk([0] * n, context, table, 1)
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = runner.device.now()
             runner.forward([chunk])
-            _synchronize(runner.device)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, runner.device.now() - start)
         return best
     finally:
         block_manager.free(_CALIBRATION_ID)
@@ -155,7 +154,7 @@ def is_plausible(model: StepTimeModel) -> bool:
 def _cache_key(
     runner: ModelRunner, model_path: Path, max_num_batched_tokens: int, max_model_len: int
 ) -> str:
-    device = runner.device
+    device = runner.device.torch
     device_name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -172,11 +171,6 @@ def _cache_key(
         str(max_model_len),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -19,9 +19,9 @@ compares the request's tokens with the drafts it fed and keeps the KV of the acc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,14 +64,20 @@ class DraftModelProposer:
         sampler: Sampler,
         block_manager: BlockManager,
         min_confidence: float = 0.0,
+        vocab_size: int | None = None,
     ) -> None:
         self.runner = runner
+        # The target's vocabulary: the width of the q rows the verifier compares with p (the
+        # draft's own may be padded to another size; see _sample).
+        self.vocab_size = vocab_size or runner.model_config.vocab_size
         self.min_confidence = min_confidence
         self.sampler = sampler
         self.block_manager = block_manager
         self._states: dict[str, _DraftState] = {}
         self._scheduled: Sequence[tuple[Request, int]] = ()
-        self.last_timing: DraftTiming | None = None
+        # Device marks of the last propose (num_catch_up, start, after the first forward,
+        # num_more, end), read into a DraftTiming once the step has synchronised (take_timing).
+        self._marks: tuple[int, Any, Any, int, Any] | None = None
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         self._scheduled = scheduled
@@ -111,15 +117,16 @@ class DraftModelProposer:
             state = self._sync(request)
             end = request.num_computed_tokens + num_new[request.request_id]  # known this step
             table = self.block_manager.get_block_table(request.request_id)
-            tokens = request.all_token_ids[state.num_computed : end]
+            tokens = self._inputs(request.all_token_ids[state.num_computed : end])
             chunks.append(SeqChunk(tokens, state.num_computed, table, 1))
             state.num_computed = end
             drafting.append((request, k))
         if not chunks:
             return [None] * len(requests)
-        start = time.perf_counter()
+        device = self.runner.device
+        start = device.mark()
         logits = self.runner.forward(chunks)
-        first = time.perf_counter() - start
+        first = device.mark()
         num_catch_up = sum(len(c.token_ids) - 1 for c in chunks)
         drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
             r.request_id: ([], []) for r, _ in drafting
@@ -144,10 +151,27 @@ class DraftModelProposer:
                 )
             assert logits is not None
             stopped.update(self._sample(logits, active, drafted))
-        self.last_timing = DraftTiming(
-            num_catch_up, first, num_more, time.perf_counter() - start - first
-        )
+        self._marks = (num_catch_up, start, first, num_more, device.mark())
         return [self._draft(r, drafted) for r in requests]
+
+    def take_timing(self) -> DraftTiming | None:
+        """The device time of the last propose, or None if it has been taken (or none ran).
+        Call after the step's synchronisation: the marks are read, never waited on."""
+        if self._marks is None:
+            return None
+        num_catch_up, start, first, num_more, end = self._marks
+        self._marks = None
+        elapsed = self.runner.device.elapsed
+        return DraftTiming(num_catch_up, elapsed(start, first), num_more, elapsed(first, end))
+
+    def _inputs(self, token_ids: list[int]) -> list[int]:
+        """The request's tokens as the draft can embed them: an id past a narrower draft
+        vocabulary (a padding id of the target's table, never made by the shared tokenizer)
+        goes in as 0. It can only cost acceptance; the target verifies every draft."""
+        limit = self.runner.model_config.vocab_size
+        if self.vocab_size <= limit:
+            return token_ids
+        return [t if t < limit else 0 for t in token_ids]
 
     def num_behind(self, request: Request) -> int:
         """Tokens the draft model must catch up on before drafting for the request (its whole
@@ -177,10 +201,16 @@ class DraftModelProposer:
         for request, _ in active:
             ids = drafted[request.request_id][0]
             # The row for the draft's next position, history extended by the drafts so far.
-            rows.append(sampling_row(request, ids, DRAFT_STREAM))
-        processed = self.sampler.process(logits, rows)  # [num_active, vocab_size]
+            rows.append(sampling_row(request, ids, logits.device, DRAFT_STREAM))
+        processed = self.sampler.process(logits, rows)  # [num_active, draft_vocab]
+        # Padding rows of a draft vocabulary wider than the target's are ids the target cannot
+        # emit: never draft them (q is then exactly what the draft samples from).
+        processed[:, self.vocab_size :] = float("-inf")
         token_ids = self.sampler.sample_processed(processed, rows).token_ids  # [num_active]
-        probs = processed.softmax(dim=-1)  # [num_active, vocab_size]
+        probs = processed.softmax(dim=-1)  # [num_active, draft_vocab]
+        if probs.shape[1] != self.vocab_size:  # q over the target's ids: 0 past the draft's
+            probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[1]))
+        # probs: [num_active, vocab_size]
         # Early exit: a token the draft itself gives little probability is likely rejected, and
         # every further draft forward would build on it. Stopping depends only on the draft's
         # own samples, so verification stays exact.

@@ -84,8 +84,11 @@ class StepTimeModel:
         design = torch.tensor(
             [_hat_weights(grid, n) + ([float(ctx)] if has_context else []) for n, ctx, _ in rows],
             dtype=torch.float64,
+            device="cpu",
         )  # [num_samples, len(grid) (+1)]
-        target = torch.tensor([[s] for _, _, s in rows], dtype=torch.float64)  # [num_samples, 1]
+        target = torch.tensor(
+            [[s] for _, _, s in rows], dtype=torch.float64, device="cpu"
+        )  # [num_samples, 1]
         solution = torch.linalg.lstsq(design, target, driver="gelsd").solution[:, 0].tolist()
         context_coef = solution[len(grid)] if has_context else 0.0
         if context_coef < 0.0:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -86,24 +88,30 @@ class _Layout:
 
 
 def _layout(draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> _Layout:
-    num_drafts = torch.tensor([len(ids) for ids in draft_token_ids], dtype=torch.int64)
+    """Index tensors of one verify, built on the host from the draft lists, copied once."""
+    num_drafts = torch.tensor(
+        [len(ids) for ids in draft_token_ids], dtype=torch.int64, device="cpu"
+    )
     num_requests = num_drafts.shape[0]
     cu_drafts = torch.cumsum(num_drafts, dim=0) - num_drafts  # [num_requests], exclusive
-    first_rows = cu_drafts + torch.arange(num_requests)  # [num_requests]
+    first_rows = cu_drafts + torch.arange(num_requests, device="cpu")  # [num_requests]
     # Draft j of request i sits at target row first_rows[i] + j: its flat index plus one bonus
     # row for each request before it.
-    request_of_draft = torch.repeat_interleave(torch.arange(num_requests), num_drafts)
-    draft_rows = torch.arange(request_of_draft.shape[0]) + request_of_draft  # [total_drafts]
-    draft_ids = torch.tensor([t for ids in draft_token_ids for t in ids], dtype=torch.int64)
+    request_of_draft = torch.repeat_interleave(torch.arange(num_requests, device="cpu"), num_drafts)
+    # [total_drafts]
+    draft_rows = torch.arange(request_of_draft.shape[0], device="cpu") + request_of_draft
+    draft_ids = torch.tensor(
+        [t for ids in draft_token_ids for t in ids], dtype=torch.int64, device="cpu"
+    )
     max_drafts = int(num_drafts.max()) if num_requests else 0
-    is_valid = torch.arange(max_drafts).unsqueeze(0) < num_drafts.unsqueeze(1)
+    is_valid = torch.arange(max_drafts, device="cpu").unsqueeze(0) < num_drafts.unsqueeze(1)
     return _Layout(
-        num_drafts=num_drafts.to(device),
-        first_rows=first_rows.to(device),
-        first_drafts=cu_drafts.to(device),
-        draft_rows=draft_rows.to(device),
-        draft_ids=draft_ids.to(device),
-        is_valid=is_valid.to(device),  # [num_requests, max_drafts]
+        num_drafts=to_device(num_drafts, device),
+        first_rows=to_device(first_rows, device),
+        first_drafts=to_device(cu_drafts, device),
+        draft_rows=to_device(draft_rows, device),
+        draft_ids=to_device(draft_ids, device),
+        is_valid=to_device(is_valid, device),  # [num_requests, max_drafts]
     )
 
 

@@ -120,10 +120,7 @@ class Speculator:
                 break
             if isinstance(proposer, LookupProposer):
                 continue  # found nothing while planning, so nothing now
-            found = self._ask(proposer, pending, drafts)
-            timing = getattr(proposer, "last_timing", None)
-            if found and timing is not None:
-                self.planner.observe_draft_time(timing)
+            self._ask(proposer, pending, drafts)
             pending = [(r, k) for r, k in pending if r.request_id not in drafts]
         if self.planner.mode == "auto":
             self._shadow_drafts(scheduled)
@@ -167,10 +164,17 @@ class Speculator:
         return found
 
     def observe_step(self, chunks: Sequence[SeqChunk], seconds: float) -> None:
-        """One measured target forward (and verification) over `chunks`."""
+        """One measured target forward (and verification) over `chunks`, and the device time of
+        this step's draft-model forwards. Called once the step has synchronised the device, so
+        every timing here is work done, not kernels launched."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         context = sum(c.start + len(c.token_ids) for c in chunks)
         self.planner.observe_step(num_tokens, context, seconds)
+        for proposer in self.chain:
+            take_timing = getattr(proposer, "take_timing", None)
+            timing = take_timing() if take_timing is not None else None
+            if timing is not None:
+                self.planner.observe_draft_time(timing)
 
     def observe_verify(self, request: Request, draft: Draft, num_accepted: int) -> None:
         """A verified draft: feeds the request's acceptance estimate."""
@@ -220,7 +224,7 @@ def _make_planner(
         num_tokens,
         methods,
         step_model,
-        make_monitor(engine.runner.device, step_model),
+        make_monitor(engine.runner.device.torch, step_model),
         config.spec_disable_batch_size if config else None,
         config.spec_disable_utilization if config else None,
         draft_seconds,

@@ -171,7 +171,13 @@ def test_randomized_workload_never_leaks(tiny_qwen2, tmp_path, spec):
     speculation, a draft model of other weights forces rejections."""
     config = None
     if spec is not None:
-        config = {"method": spec, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+        # "always": the test is about blocks, and auto's choices follow measured step times.
+        config = {
+            "method": spec,
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "mode": "always",
+        }
         if spec == "draft_model":
             config["model"] = str(build_tiny_model(tmp_path / "draft", "qwen2", seed=9))
     llm = LLM(

@@ -295,9 +295,9 @@ def _freeze_penalty_window(monkeypatch: pytest.MonkeyPatch) -> None:
     advance over the drafts inside the window."""
     rows = verifier.sampling_rows
 
-    def broken(request, draft_ids):
+    def broken(request, draft_ids, device):
         output = list(request.output_token_ids)
-        return [replace(row, output_token_ids=output) for row in rows(request, draft_ids)]
+        return [replace(row, output_token_ids=output) for row in rows(request, draft_ids, device)]
 
     monkeypatch.setattr(verifier, "sampling_rows", broken)
 

@@ -241,3 +241,46 @@ def test_prefix_hit_never_inherits_unwritten_draft_kv(target):
     accepted = engine.spec_stats.num_accepted_tokens - before[1]
     assert engine.block_manager.prefix_cache_hits > 0
     assert drafted > 0 and accepted == drafted
+
+
+@pytest.fixture(scope="module")
+def shared_tokenizer(tmp_path_factory):
+    """A tokenizer of fewer ids than either model's vocabulary (checkpoints pad their tables)."""
+    from tests.tiny_tokenizers import byte_level_bpe
+
+    corpus = ["def reverse(s):\n    return s[::-1]\n", "the quick brown fox jumps over it"] * 20
+    tokenizer = byte_level_bpe(corpus, 280, ["<|endoftext|>"])
+    path = tmp_path_factory.mktemp("shared-tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("draft_vocab", [300, 336])
+def test_a_draft_with_a_differently_padded_vocabulary(
+    target, shared_tokenizer, tmp_path, draft_vocab
+):
+    """Qwen2.5-Coder 7B pads its vocabulary to 152,064 and the 1.5B draft to 151,936: a draft
+    narrower or wider than the target, sharing its tokenizer, drafts only ids the target has,
+    greedy output stays exactly the plain output, and sampling with the draft's q works."""
+    draft = build_tiny_model(
+        tmp_path / "draft", "llama", seed=5, num_hidden_layers=1, vocab_size=draft_vocab
+    )
+    kwargs = dict(dtype="float32", tokenizer=str(shared_tokenizer))
+    plain = LLM(str(target), **kwargs)
+    llm = LLM(str(target), **kwargs, speculative_config=_spec("draft_model", 4, draft))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy_params())] == [
+        o.outputs[0].token_ids for o in plain.generate(PROMPTS, _greedy_params())
+    ]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], sampled)[0].outputs[0].token_ids
+    mixed = llm.generate([PROMPTS[0], PROMPTS[2]], [_greedy_params()[0], sampled])
+    assert mixed[1].outputs[0].token_ids == alone
+    assert all(0 <= t < 320 for t in alone)
+    llm.engine.block_manager.check_integrity()
+
+
+def test_a_draft_that_does_not_cover_the_tokenizer_is_refused(target, tmp_path):
+    draft = build_tiny_model(tmp_path / "draft", "llama", num_hidden_layers=1, vocab_size=200)
+    with pytest.raises(ValueError, match="share a tokenizer"):
+        LLM(str(target), speculative_config=_spec("draft_model", 2, draft))

@@ -1,0 +1,335 @@
+"""CUDA graphs for the small steps: decode (one token per sequence) and verify (1 + k per sequence).
+
+Such a step does little arithmetic per kernel, so on a GPU its time goes to launching hundreds of
+kernels from Python. A CUDA graph records those launches once and replays them with one call.
+A graph replays the exact kernels it captured, on the exact addresses, with the host-side
+arguments of the capture, so everything that changes per step is copied into fixed tensors
+before the replay, and the step is padded to a captured size.
+
+- Buckets: padded token counts 1, 2, 4, then multiples of 8 up to 256, then of 32 (`capture_sizes`).
+  Decode graphs (max_seqlen_q 1) go up to min(max_num_seqs, max_num_batched_tokens); verify graphs
+  (max_seqlen_q 1 + K, K the most draft tokens a step verifies) from 2 up to
+  min(max_num_seqs * (1 + K), max_num_batched_tokens). Both stop at MAX_CAPTURE_TOKENS: past a
+  few hundred tokens a step is compute-bound, and launches no longer matter.
+- A step replays the smallest bucket that holds it: decode graphs for an all-decode step, verify
+  graphs when some sequence has more than one token. A step with a prompt chunk (a chunk that
+  needs fewer logits than it has tokens), or bigger than every bucket, runs eagerly.
+- Padding: padded tokens are token 0 at position 0 and write their K/V only into the runner's
+  `pad_block`, a block no request owns; the attention backend lays out the padded step
+  (`StaticFlashMetadata`). Output rows of padded tokens are dropped.
+- What is captured: the model body (embeddings, rope lookup on the fixed positions tensor, every
+  layer with its K/V writes and attention, final norm) into a fixed hidden-states tensor. The LM
+  head runs eagerly on the real rows only, which also gives the caller a fresh logits tensor.
+- Memory: every graph is captured into one shared memory pool, largest first, so the smaller
+  graphs reuse the larger ones' intermediate buffers. A graph's output is only valid until the
+  next replay of any graph: `forward` turns it into logits at once.
+
+The runner must not replace its KV tensors or weights after the capture: the graphs hold their
+addresses. The CUDA primitives (capture, events) sit behind `CaptureDevice`, so tests run all of
+this on CPU with a fake that re-runs the captured callable on replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from engine.attention.base import BatchLayout
+from engine.models.llama import ForwardContext
+from engine.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.runner import SeqChunk
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_TOKENS = 512
+
+
+class _NotCaptured(enum.Enum):
+    NOT_CAPTURED = "not captured"
+
+
+NOT_CAPTURED = _NotCaptured.NOT_CAPTURED
+"""`CudaGraphs.forward`'s answer for a step no graph holds: the runner runs it eagerly."""
+
+
+def capture_sizes(cap: int, smallest: int = 1) -> tuple[int, ...]:
+    """The padded token counts to capture, from `smallest` up to `cap` (always included)."""
+    ladder = [1, 2, 4, *range(8, 257, 8), *range(288, cap + 1, 32)]
+    sizes = {s for s in ladder if smallest <= s <= cap}
+    if cap >= smallest:
+        sizes.add(cap)
+    return tuple(sorted(sizes))
+
+
+class Graph(Protocol):
+    """A captured graph: replay() reruns its kernels on the tensors it captured."""
+
+    def replay(self) -> None: ...
+
+
+class CaptureDevice(Protocol):
+    """The CUDA primitives CudaGraphs needs, behind an interface so tests run on CPU."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        """Warm `fn` up, capture it (into the shared pool) -> (graph, its output tensor)."""
+        ...
+
+    def copies_queued(self) -> None:
+        """Mark that copies reading the pinned host buffers were just queued."""
+        ...
+
+    def wait_copies(self) -> None:
+        """Block until the copies marked last have run, so the host buffers can be rewritten."""
+        ...
+
+
+class StaticMetadata(Protocol):
+    """Attention metadata at fixed addresses, refilled in place before each replay."""
+
+    def view(self, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int) -> Any: ...
+
+    def fill(self, layout: BatchLayout, num_tokens: int, pad_block: int) -> None: ...
+
+
+@runtime_checkable
+class GraphableBackend(Protocol):
+    """An attention backend whose forward can be captured (static shapes, no host syncs)."""
+
+    def allocate_static_metadata(
+        self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> StaticMetadata: ...
+
+
+class CudaCaptureDevice:
+    """torch.cuda graphs: one memory pool and one side stream shared by every capture."""
+
+    def __init__(self, device: torch.device, num_warmups: int = 2) -> None:
+        self._num_warmups = num_warmups
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)
+        self._copied = torch.cuda.Event()
+        self._has_copies = False
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        # Warm up on the capture stream: lazy set-up (cuBLAS handles and workspaces, the first
+        # launch of a kernel) must not happen during the capture. The inputs were copied on the
+        # current stream, so the side stream waits for them.
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for _ in range(self._num_warmups):
+                fn()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            out = fn()
+        return graph, out
+
+    def copies_queued(self) -> None:
+        self._copied.record()
+        self._has_copies = True
+
+    def wait_copies(self) -> None:
+        if self._has_copies:
+            self._copied.synchronize()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One captured shape: padded token count and the longest query a sequence may have."""
+
+    max_query_len: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class _Captured:
+    graph: Graph
+    hidden: torch.Tensor  # [num_tokens, hidden_size], rewritten by every replay
+
+
+class CudaGraphs:
+    """Captured decode/verify graphs of one runner, and the fixed tensors they read.
+
+    `runner` provides model, rope, kv_caches, backend (a GraphableBackend), block_size,
+    pad_block, dtype and device (an engine.device.Device). `sizes` maps a max query length to
+    the padded token counts captured with it (1: decode graphs; 1 + K: verify graphs)."""
+
+    def __init__(self, runner: Any, sizes: Mapping[int, Sequence[int]], capture: CaptureDevice):
+        assert sizes and all(sizes.values()), "nothing to capture"
+        self._runner = runner
+        self._capture = capture
+        self._sizes = {q: tuple(sorted(s)) for q, s in sorted(sizes.items())}
+        device = runner.device.torch
+        max_tokens = max(max(s) for s in self._sizes.values())
+        # The rope table covers every position a sequence may reach: the longest context.
+        self.max_model_len = int(runner.rope.cos.shape[0])
+        max_blocks = -(-self.max_model_len // runner.block_size)
+        self._metadata = runner.backend.allocate_static_metadata(
+            max_tokens, max_blocks, runner.block_size, device
+        )
+        pin = device.type == "cuda"  # pinned host buffers: non-blocking copies
+        self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [max_tokens]
+        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._host_ids = torch.zeros(max_tokens, dtype=torch.int64, device="cpu", pin_memory=pin)
+        self._host_positions = torch.zeros(
+            max_tokens, dtype=torch.int64, device="cpu", pin_memory=pin
+        )
+        self._graphs: dict[Bucket, _Captured] = {}
+        self._capture_all()
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Every captured bucket, smallest first within each max query length."""
+        return tuple(Bucket(q, t) for q, sizes in self._sizes.items() for t in sizes)
+
+    def bucket(self, chunks: Sequence[SeqChunk]) -> Bucket | None:
+        """The smallest captured bucket that holds this step, or None (run it eagerly)."""
+        if not chunks or any(c.num_logits != len(c.token_ids) for c in chunks):
+            return None  # a prompt chunk: not a decode/verify step
+        if any(c.start + len(c.token_ids) > self.max_model_len for c in chunks):
+            return None
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        longest = max(len(c.token_ids) for c in chunks)
+        for max_query_len, sizes in self._sizes.items():
+            i = bisect.bisect_left(sizes, num_tokens)
+            if longest <= max_query_len and i < len(sizes):
+                return Bucket(max_query_len, sizes[i])
+        return None
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | _NotCaptured:
+        """Replay the step's bucket -> logits [num_tokens, vocab_size] (model dtype), rows in
+        chunk order as ModelRunner.forward returns them; NOT_CAPTURED when no bucket holds it."""
+        bucket = self.bucket(chunks)
+        if bucket is None:
+            return NOT_CAPTURED
+        layout, token_ids, positions = _flatten(chunks, self._runner.block_size)
+        self._load(layout, token_ids, positions, bucket.num_tokens)
+        captured = self._graphs[bucket]
+        captured.graph.replay()
+        hidden = captured.hidden[: layout.num_tokens]  # [num_tokens, hidden_size]
+        return self._runner.model.compute_logits(hidden)  # [num_tokens, vocab_size]
+
+    def _load(
+        self, layout: BatchLayout, token_ids: list[int], positions: list[int], num_tokens: int
+    ) -> None:
+        """Copy a step, padded to `num_tokens`, into the fixed tensors (pinned, non-blocking)."""
+        n, t = layout.num_tokens, num_tokens
+        self._capture.wait_copies()  # the last step's copies may still read the host buffers
+        for host, values, dev in (
+            (self._host_ids, token_ids, self._ids),
+            (self._host_positions, positions, self._positions),
+        ):
+            host[:n].copy_(torch.tensor(values, dtype=torch.int64, device="cpu"))
+            host[n:t].zero_()
+            dev[:t].copy_(host[:t], non_blocking=True)
+        self._metadata.fill(layout, t, self._runner.pad_block)
+        self._capture.copies_queued()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first (the smaller ones then fit in the pool the largest
+        left), each over an all-padding step: during warm-up only the pad block is written."""
+        no_slots = torch.zeros(0, dtype=torch.int64, device="cpu")
+        padding = BatchLayout((), (), (), no_slots, self._runner.block_size)
+        for bucket in sorted(self.buckets, key=lambda b: (-b.num_tokens, -b.max_query_len)):
+            self._load(padding, [], [], bucket.num_tokens)
+            graph, hidden = self._capture.capture(self._body(bucket))
+            self._graphs[bucket] = _Captured(graph, hidden)
+
+    def _body(self, bucket: Bucket) -> Callable[[], torch.Tensor]:
+        """The captured work for one bucket. It reads only fixed tensors and ints fixed here:
+        whatever else it read would be frozen at its capture-time value on replay."""
+        runner, t = self._runner, bucket.num_tokens
+        ids, positions = self._ids[:t], self._positions[:t]  # [t]
+        metadata = self._metadata.view(t, bucket.max_query_len, self.max_model_len)
+
+        def body() -> torch.Tensor:
+            cos, sin = runner.rope(positions, runner.dtype)  # [t, head_dim]
+            ctx = ForwardContext(
+                backend=runner.backend,
+                attn_metadata=metadata,
+                kv_caches=runner.kv_caches,
+                cos=cos,
+                sin=sin,
+            )
+            return runner.model(ids, ctx)  # [t, hidden_size]
+
+        return body
+
+
+def _flatten(
+    chunks: Sequence[SeqChunk], block_size: int
+) -> tuple[BatchLayout, list[int], list[int]]:
+    """The step's layout, token ids and positions, flattened as ModelRunner.forward does."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for c in chunks:
+        span = range(c.start, c.start + len(c.token_ids))
+        token_ids += c.token_ids
+        positions += span
+        slots += [c.block_table[p // block_size] * block_size + p % block_size for p in span]
+    layout = BatchLayout(
+        query_lens=tuple(len(c.token_ids) for c in chunks),
+        seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
+        block_tables=tuple(tuple(c.block_table) for c in chunks),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
+        block_size=block_size,
+    )
+    return layout, token_ids, positions
+
+
+def make_cuda_graphs(
+    runner: Any,
+    config: EngineConfig,
+    *,
+    max_query_len: int | None = None,
+    capture: CaptureDevice | None = None,
+) -> CudaGraphs | None:
+    """Capture `runner`'s decode/verify graphs, or None where graphs do not apply: not CUDA,
+    `config.enforce_eager`, or an attention backend that cannot be captured (torch builds
+    data-dependent shapes). Call it once the KV cache is allocated, and never replace the KV
+    tensors afterwards.
+
+    `max_query_len`: the longest query a captured step may give one sequence; default 1 + the
+    speculative config's num_speculative_tokens (1 without speculation: decode graphs only;
+    pass 1 for a draft model's runner, whose multi-token forwards are catch-up prompt chunks).
+    `capture`: the CUDA primitives (tests pass a CPU fake)."""
+    if config.enforce_eager or not runner.device.is_cuda:
+        return None
+    if not isinstance(runner.backend, GraphableBackend):
+        logger.info("attention backend %s runs eagerly: no CUDA graphs", runner.backend.name)
+        return None
+    if max_query_len is None:
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        max_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    limit = min(config.max_num_batched_tokens, MAX_CAPTURE_TOKENS)
+    sizes = {1: capture_sizes(min(config.max_num_seqs, limit))}
+    verify = capture_sizes(min(config.max_num_seqs * max_query_len, limit), smallest=2)
+    if max_query_len > 1 and verify:
+        sizes[max_query_len] = verify
+    start = time.perf_counter()
+    before = runner.device.memory_info()
+    graphs = CudaGraphs(runner, sizes, capture or CudaCaptureDevice(runner.device.torch))
+    after = runner.device.memory_info()
+    used = (before[0] - after[0]) / 2**20 if before and after else float("nan")
+    logger.info(
+        "captured %d CUDA graphs in %.1f s (%.0f MiB): %s",
+        len(graphs.buckets),
+        time.perf_counter() - start,
+        used,
+        "; ".join(f"up to {q} tokens per sequence: {list(s)}" for q, s in sizes.items()),
+    )
+    return graphs

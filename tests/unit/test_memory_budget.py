@@ -1,0 +1,88 @@
+"""The KV budget's arithmetic (engine/memory.py), with chosen memory figures: no device needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.memory import DEFAULT_CPU_KV_MEMORY, GiB, activation_bytes, plan_kv_cache
+
+MiB = 2**20
+
+
+def test_num_kv_blocks_skips_the_budget():
+    plan = plan_kv_cache(1000, (0, 80 * GiB), num_kv_blocks=7, kv_cache_memory=10)
+    assert plan.num_blocks == 7 and plan.budget == 7000 and plan.source == "num_kv_blocks"
+
+
+def test_cpu_kv_cache_memory_bounds_the_sum_of_both_models():
+    # Target 3000 + draft 1000 bytes per block: 10_000 bytes hold 2 blocks of both, not 3.
+    plan = plan_kv_cache(3000 + 1000, None, kv_cache_memory=10_000)
+    assert plan.num_blocks == 2 and plan.budget == 10_000
+    assert "kv_cache_memory" in plan.source
+
+
+def test_cpu_default_is_capped_by_full_length_sequences():
+    plan = plan_kv_cache(4096, None, full_length_bytes=40 * 4096)
+    assert plan.num_blocks == 40
+    plan = plan_kv_cache(4096, None, full_length_bytes=100 * GiB)
+    assert plan.num_blocks == DEFAULT_CPU_KV_MEMORY // 4096
+    # An explicit kv_cache_memory is not capped.
+    assert plan_kv_cache(4096, None, kv_cache_memory=GiB, full_length_bytes=4096).num_blocks == (
+        GiB // 4096
+    )
+
+
+def test_gpu_budget_is_measured_after_the_weights():
+    # 80 GiB device, 20 GiB in use after loading every weight, 2 GiB of activations.
+    total, free, reserve = 80 * GiB, 60 * GiB, 2 * GiB
+    per_block = 3 * MiB
+    plan = plan_kv_cache(
+        per_block, (free, total), gpu_memory_utilization=0.9, activation_reserve=reserve
+    )
+    budget = int(0.9 * total) - (total - free) - reserve
+    assert plan.budget == budget and plan.num_blocks == budget // per_block
+    assert plan.num_blocks * per_block <= 0.9 * total - (total - free) - reserve
+    half = plan_kv_cache(
+        per_block, (free, total), gpu_memory_utilization=0.5, activation_reserve=reserve
+    )
+    assert half.num_blocks == (40 * GiB - 20 * GiB - reserve) // per_block
+    assert "gpu_memory_utilization 0.5" in half.source
+
+
+def test_gpu_budget_ignores_the_cpu_defaults():
+    plan = plan_kv_cache(MiB, (60 * GiB, 80 * GiB), full_length_bytes=10 * MiB)
+    assert plan.num_blocks == (int(0.9 * 80 * GiB) - 20 * GiB) // MiB
+
+
+def test_kv_cache_memory_is_an_upper_bound_on_gpu():
+    info = (60 * GiB, 80 * GiB)
+    assert plan_kv_cache(MiB, info, kv_cache_memory=GiB).num_blocks == 1024
+    # Asking for more than the GPU allows gets what it allows.
+    plan = plan_kv_cache(MiB, info, kv_cache_memory=500 * GiB)
+    assert plan.num_blocks == (int(0.9 * 80 * GiB) - 20 * GiB) // MiB
+
+
+def test_a_budget_without_room_for_one_block_raises_with_the_numbers():
+    with pytest.raises(ValueError, match="cannot hold one block") as err:
+        plan_kv_cache(MiB, (8 * GiB, 80 * GiB), gpu_memory_utilization=0.9, activation_reserve=GiB)
+    message = str(err.value)
+    assert "72.00 GiB in use" in message and "80.00 GiB total" in message
+    assert "gpu_memory_utilization" in message
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        plan_kv_cache(MiB, None, kv_cache_memory=MiB - 1)
+
+
+def test_activation_reserve_formula():
+    cfg = SimpleNamespace(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
+    # Layer: 3*4096 + 2*4096 + 2*1024 + 3*14336 = 65536 values a token; logits: bf16 + 3 fp32.
+    expected = 2048 * 2 * 65536 + 512 * 128256 * (2 + 12)
+    assert activation_bytes(cfg, 2, num_tokens=2048, num_logit_rows=512) == expected
