@@ -35,11 +35,25 @@ generate: $(VENV)/.models
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
-# The GPU tests (marker gpu: flash-attn backend, NVML...); each skips without CUDA. On a GPU node
-# the venv needs a CUDA build of torch (PyPI's Linux default) and the gpu extra's flash-attn and
-# nvidia-ml-py built for it (the Dockerfile pins a matching torch and flash-attn wheel).
-gpu-test: $(VENV)/.installed
-	$(PY) -m pytest -q -m gpu tests/gpu
+# Validates a GPU node in one command: engine and HTTP server end to end on CUDA (greedy parity
+# with transformers and between attention backends, speculative parity, seeded sampling, aborts),
+# flash-attn, NVML and CUDA graphs, then one summary with a short decode bench. It fails on a node
+# where torch sees no GPU; SPECSERVE_GPU_TESTS_DEVICE=cpu dry-runs the same checks on the CPU. The
+# venv needs a CUDA build of torch (PyPI's Linux default) and the gpu extra's flash-attn and
+# nvidia-ml-py built for it: on a GPU node `pip install torch==$(TORCH_VERSION)` from PyPI is a CUDA
+# build; FLASH_ATTN names the flash-attn to install (a prebuilt wheel matching torch and CUDA, as
+# the Dockerfile pins; the default builds it from source). Without flash-attn its checks skip.
+FLASH_ATTN ?= flash-attn
+gpu-test: $(VENV)/.gpu
+	SPECSERVE_GPU_TESTS_DEVICE=$${SPECSERVE_GPU_TESTS_DEVICE:-cuda} $(PY) -m pytest -q -m gpu tests/gpu
+
+$(VENV)/.gpu: $(VENV)/.installed
+	$(PY) -m pip install --quiet nvidia-ml-py
+	$(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+		&& ($(PY) -m pip install --quiet --no-build-isolation $(FLASH_ATTN) \
+			|| echo "flash-attn did not install: its checks will skip") \
+		|| echo "torch sees no CUDA device: flash-attn not installed"
+	touch $@
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

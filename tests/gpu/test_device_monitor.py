@@ -21,6 +21,7 @@ def test_cpu_monitor_is_step_tokens_over_the_knee() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_check("NVML utilization monitor")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nvml_reports_a_busy_gpu() -> None:
     pytest.importorskip("pynvml")

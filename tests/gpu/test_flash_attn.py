@@ -11,6 +11,7 @@ from tests.attention_cases import dense_reference, make_case
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not flash_attn_available(), reason="needs CUDA and flash-attn"),
+    pytest.mark.gpu_check("flash-attn kernel vs dense attention"),
 ]
 
 
