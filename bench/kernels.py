@@ -2,8 +2,9 @@
 
 Decode and verify steps are products of a few rows with large weights, so their speed is the
 weight bandwidth. The weights of all 28 layers of Qwen2.5-Coder-1.5B's shapes are cycled through
-so nothing sits in cache. Compared: F.linear (x @ W.T), torch.mv (one row) and weight @ x.T (the
-weight as the left operand), which `engine.models.llama.linear` chooses between.
+so nothing sits in cache. Compared: our AVX2 kernel (engine/kernels, what
+`engine.models.llama.linear` uses up to KERNEL_MAX_ROWS rows where it builds), F.linear
+(x @ W.T), torch.mv (one row) and weight @ x.T (the weight as the left operand).
 
     python bench/kernels.py [--rows 1 2 4 9 16 64 256]
 """
@@ -11,10 +12,16 @@ weight as the left operand), which `engine.models.llama.linear` chooses between.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels import cpu_kernels  # noqa: E402
 
 # (out, in) of the fused qkv, o, fused gate/up and down projections of one layer.
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
@@ -39,7 +46,8 @@ def main() -> None:
     ]
     total_bytes = sum(n * k * 2 for n, k in SHAPES) * NUM_LAYERS
     print(f"bfloat16 weights, {total_bytes / 1e9:.2f} GB per pass, GB/s read (higher is better)")
-    print(f"{'rows':>5} {'F.linear':>9} {'mv':>9} {'W @ x.T':>9}")
+    kernels = cpu_kernels()
+    print(f"{'rows':>5} {'ours':>9} {'F.linear':>9} {'mv':>9} {'W @ x.T':>9}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in SHAPES}
 
@@ -51,10 +59,11 @@ def main() -> None:
 
             return total_bytes / timed(one_pass) / 1e9
 
+        ours = run(lambda x, w: kernels.bf16_linear(x, w, None)) if kernels else float("nan")
         linear = run(lambda x, w: F.linear(x, w))
         left = run(lambda x, w: torch.mm(w, x.t()))
         mv = run(lambda x, w: torch.mv(w, x[0])) if rows == 1 else float("nan")
-        print(f"{rows:>5} {linear:>9.1f} {mv:>9.1f} {left:>9.1f}")
+        print(f"{rows:>5} {ours:>9.1f} {linear:>9.1f} {mv:>9.1f} {left:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+// bfloat16-weight linear layers for x86-64 CPUs with AVX2 and FMA, the shapes of decode and
+// verify steps: a few rows of activations against a large weight matrix, where the time is the
+// weight bytes read from memory.
+//
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x converted to float32 once, w bfloat16
+// [N, K] row-major as nn.Linear stores it. A bfloat16 value is the high half of a float32, so a
+// weight converts with one widening move and one shift; products and sums are float32. Each
+// thread takes a contiguous range of output rows (so it streams a contiguous range of weight
+// memory) and, for every group of NT weight rows, loads each 8-wide chunk once and multiplies it
+// with MT activation rows held in registers; for more activation rows the group's weight rows
+// are read again from L1/L2, not from memory. Threads come from torch's own pool
+// (at::parallel_for), so the engine keeps one OpenMP team.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline __m256 load_bf16(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NT weight rows [n, n + NT) times MT activation rows [m, m + MT): NT * MT accumulators, NT
+// weight registers and one activation register (at most 16 ymm registers).
+template <int NT, int MT>
+inline void tile(const float* x, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t n,
+                 int64_t m) {
+  __m256 acc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = K - K % 8;
+  for (int64_t k = 0; k < k8; k += 8) {
+    __m256 wv[NT];
+    if ((k & 31) == 0) {  // one prefetch per 64-byte line, 512 bytes ahead of the loads
+      for (int i = 0; i < NT; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + i) * K + k + 256), _MM_HINT_T0);
+    }
+    for (int i = 0; i < NT; ++i) wv[i] = load_bf16(w + (n + i) * K + k);
+    for (int j = 0; j < MT; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + (m + j) * K + k);
+      for (int i = 0; i < NT; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    for (int j = 0; j < MT; ++j) {
+      float sum = horizontal_sum(acc[i][j]);
+      for (int64_t k = k8; k < K; ++k) sum += bf16_to_float(w[(n + i) * K + k]) * x[(m + j) * K + k];
+      out[(m + j) * N + n + i] = sum;
+    }
+  }
+}
+
+// Weight rows [n0, n1) against every activation row.
+template <int NT>
+void row_range(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t N,
+               int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) {
+    int64_t m = 0;
+    if constexpr (NT <= 2) {
+      for (; m + 4 <= M; m += 4) tile<NT, 4>(x, w, out, K, N, n, m);
+    }
+    for (; m + 2 <= M; m += 2) tile<NT, 2>(x, w, out, K, N, n, m);
+    for (; m < M; ++m) tile<NT, 1>(x, w, out, K, N, n, m);
+  }
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) tile<1, 1>(x, w, out, K, N, n, m);
+  }
+}
+
+}  // namespace
+
+// x [M, K] (any float dtype), weight [N, K] bfloat16, bias [N] or empty -> [M, N] in x's dtype.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "bf16_linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "bf16_linear: a contiguous bfloat16 weight expected");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors expected");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  // Work in groups of 4 weight rows (one activation row: 4 rows in flight hide memory latency)
+  // or 2 (more activation rows: 2 x 4 accumulators).
+  const int64_t group = M == 1 ? 4 : 2;
+  const int64_t num_groups = (N + group - 1) / group;
+  at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * group, n1 = std::min(N, end * group);
+    if (group == 4) {
+      row_range<4>(xp, wp, op, M, K, N, n0, n1);
+    } else {
+      row_range<2>(xp, wp, op, M, K, N, n0, n1);
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out.to(x.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)");
+}
