@@ -14,6 +14,7 @@ None and the model uses torch's kernels; the reason is logged once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +78,59 @@ def _build() -> Any:
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    module = load(
-        name=f"specserve_cpu_kernels_{key}",
-        sources=[str(_SOURCE)],
-        extra_cflags=_FLAGS,
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    # torch's builder marks a build in progress with a plain `lock` file that a killed process
+    # leaves behind, and then every later start waits on it forever. Builds are serialised here
+    # by an OS lock instead, which dies with its holder; whoever holds it may clear that file.
+    with open(build_dir.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        module = load(
+            name=f"specserve_cpu_kernels_{key}",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return module
+
+
+# Up to this many activation rows the kernel always wins (decode and verify steps stream the
+# weights; torch's bfloat16 matmuls convert through slower paths). Past it, which is faster at
+# prefill sizes depends on the CPU (its bfloat16 support, oneDNN's paths), so it is measured.
+ALWAYS_ROWS = 16
+_PROBE_ROWS = 64
+
+
+def max_kernel_rows(weight: torch.Tensor) -> int:
+    """The most activation rows to send to the kernel: ALWAYS_ROWS, or no limit when the kernel
+    also beats torch's F.linear at _PROBE_ROWS rows on this weight. Measured once per process on
+    the first weight asked about (a few milliseconds), logged, then reused."""
+    limit = _loaded.get("max_rows")
+    if limit is not None:
+        return int(limit)
+    module = cpu_kernels()
+    assert module is not None
+    x = torch.randn(_PROBE_ROWS, weight.shape[1], dtype=weight.dtype, device="cpu")
+    ours = _best_seconds(lambda: module.bf16_linear(x, weight, None))
+    theirs = _best_seconds(lambda: F.linear(x, weight))
+    limit = 1 << 62 if ours < theirs else ALWAYS_ROWS
+    logger.info(
+        "bfloat16 linear over %d rows: ours %.2f ms, torch %.2f ms -> ours %s",
+        _PROBE_ROWS,
+        ours * 1e3,
+        theirs * 1e3,
+        "at every size" if ours < theirs else f"up to {ALWAYS_ROWS} rows",
+    )
+    _loaded["max_rows"] = limit
+    return limit
+
+
+def _best_seconds(fn: Any, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import cpu_kernels
+from engine.kernels import ALWAYS_ROWS, cpu_kernels, max_kernel_rows
 
 
 @dataclass(frozen=True)
@@ -85,16 +85,12 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
-# Up to this many rows a bfloat16 CPU linear goes through engine.kernels.bf16_linear (decode and
-# verify steps); longer prefill chunks are compute-bound and go to torch's GEMM.
-KERNEL_MAX_ROWS = 16
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] -> [num_tokens, out], with the CPU kernels that stream weights fastest.
 
-    bfloat16 weights and up to KERNEL_MAX_ROWS rows: our own AVX2 kernel (engine/kernels), where
-    it could be built. Otherwise torch's, chosen as follows.
+    bfloat16 weights: our own AVX2 kernel (engine/kernels), where it could be built, for decode
+    and verify steps, and for prefill chunks too where it measured faster than torch's GEMM on
+    this machine (`max_kernel_rows`). Otherwise torch's, chosen as follows.
 
     Measured here on bfloat16 weights, cycling through all 28 layers of the 1.5B model so nothing
     sits in cache: F.linear reads them at ~19-20 GB/s for 1 to 16 rows; torch.mv (one row) at
@@ -104,9 +100,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     row: there the transposed product was 2.5x slower at 2 rows (SmolLM2's shapes)."""
     if x.device.type != "cpu" or (x.dtype == torch.float32 and x.shape[0] > 1):
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS:
+    if weight.dtype == torch.bfloat16:
         kernels = cpu_kernels()
-        if kernels is not None:
+        if kernels is not None and (
+            x.shape[0] <= ALWAYS_ROWS or x.shape[0] <= max_kernel_rows(weight)
+        ):
             return kernels.bf16_linear(x, weight, bias)
     if x.shape[0] == 1:
         out = torch.mv(weight, x[0])

@@ -4,6 +4,10 @@ built, to torch)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,13 +64,28 @@ def _spy(monkeypatch) -> list[int]:
     return calls
 
 
-def test_decode_shaped_bf16_linears_go_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize(
+    ("measured_limit", "expected"), [(16, [1, 4, 16]), (1 << 62, [1, 4, 16, 17, 64])]
+)
+def test_decode_shaped_bf16_linears_go_to_the_kernel(monkeypatch, measured_limit, expected):
+    """Decode and verify shapes always; prefill shapes where the kernel measured faster."""
     calls = _spy(monkeypatch)
+    monkeypatch.setattr(llama, "max_kernel_rows", lambda weight: measured_limit)
     weight = torch.randn(16, 32).bfloat16()
-    for rows in (1, 4, llama.KERNEL_MAX_ROWS, llama.KERNEL_MAX_ROWS + 1, 64):
+    for rows in (1, 4, llama.ALWAYS_ROWS, llama.ALWAYS_ROWS + 1, 64):
         llama.linear(torch.randn(rows, 32).bfloat16(), weight)
     llama.linear(torch.randn(3, 32), torch.randn(16, 32))  # float32: torch
-    assert calls == [1, 4, llama.KERNEL_MAX_ROWS]
+    assert calls == expected
+
+
+@needs_kernels
+def test_the_prefill_choice_is_measured_once(monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {"module": kernels.cpu_kernels()})
+    weight = torch.randn(256, 512).bfloat16()
+    limit = kernels.max_kernel_rows(weight)
+    assert limit in (kernels.ALWAYS_ROWS, 1 << 62)
+    monkeypatch.setattr(kernels, "_best_seconds", lambda fn: pytest.fail("measured twice"))
+    assert kernels.max_kernel_rows(weight) == limit
 
 
 def test_without_the_kernel_torch_computes_the_same(monkeypatch):
@@ -85,3 +104,19 @@ def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(kernels, "_loaded", {})
     assert "SPECSERVE_CPU_KERNELS" in str(kernels.unavailable_reason())
     assert kernels.cpu_kernels() is None
+
+
+@needs_kernels
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
+    """torch's builder leaves a `lock` file behind when its process dies mid-build, and waits on
+    it forever in every later process; the next start must clear it and load."""
+    module = kernels.cpu_kernels()  # built (or loaded) here first
+    build_dir = Path(module.__file__).parent
+    (build_dir / "lock").touch()
+    script = "import engine.kernels as k; assert k.cpu_kernels() is not None; print('loaded')"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded" in done.stdout
+    assert not (build_dir / "lock").exists()
