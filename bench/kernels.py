@@ -3,8 +3,11 @@
 Decode and verify steps are products of a few rows with large weights, so their speed is the
 weight bandwidth. The weights of all 28 layers of Qwen2.5-Coder-1.5B's shapes are cycled through
 so nothing sits in cache. Compared: our AVX2 kernel (engine/kernels, what
-`engine.models.llama.linear` uses up to KERNEL_MAX_ROWS rows where it builds), F.linear
-(x @ W.T), torch.mv (one row) and weight @ x.T (the weight as the left operand).
+`engine.models.llama.linear` uses up to ALWAYS_ROWS rows where it builds), F.linear
+(x @ W.T), torch.mv (one row), weight @ x.T (the weight as the left operand) and float32 GEMMs
+over converted weight chunks (`f32_chunked_linear`). Past ALWAYS_ROWS rows (prefill chunks) the
+product is compute-bound: GB/s x rows is the multiply-add rate, and the engine takes whichever of
+ours, the float32 chunks and F.linear its start-up probe measures fastest (`prefill_route`).
 
     python bench/kernels.py [--rows 1 2 4 9 16 64 256]
 """
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import cpu_kernels  # noqa: E402
+from engine.kernels import cpu_kernels, f32_chunked_linear  # noqa: E402
 
 # (out, in) of the fused qkv, o, fused gate/up and down projections of one layer.
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
@@ -47,7 +50,7 @@ def main() -> None:
     total_bytes = sum(n * k * 2 for n, k in SHAPES) * NUM_LAYERS
     print(f"bfloat16 weights, {total_bytes / 1e9:.2f} GB per pass, GB/s read (higher is better)")
     kernels = cpu_kernels()
-    print(f"{'rows':>5} {'ours':>9} {'F.linear':>9} {'mv':>9} {'W @ x.T':>9}")
+    print(f"{'rows':>5} {'ours':>9} {'F.linear':>9} {'mv':>9} {'W @ x.T':>9} {'f32 chunks':>11}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in SHAPES}
 
@@ -63,7 +66,8 @@ def main() -> None:
         linear = run(lambda x, w: F.linear(x, w))
         left = run(lambda x, w: torch.mm(w, x.t()))
         mv = run(lambda x, w: torch.mv(w, x[0])) if rows == 1 else float("nan")
-        print(f"{rows:>5} {ours:>9.1f} {linear:>9.1f} {mv:>9.1f} {left:>9.1f}")
+        chunks = run(lambda x, w: f32_chunked_linear(x, w))
+        print(f"{rows:>5} {ours:>9.1f} {linear:>9.1f} {mv:>9.1f} {left:>9.1f} {chunks:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import platform
 import threading
@@ -95,35 +96,97 @@ def _build() -> Any:
     return module
 
 
-# Up to this many activation rows the kernel always wins (decode and verify steps stream the
-# weights; torch's bfloat16 matmuls convert through slower paths). Past it, which is faster at
-# prefill sizes depends on the CPU (its bfloat16 support, oneDNN's paths), so it is measured.
+# Up to this many activation rows our kernel always wins (decode and verify steps stream the
+# weights; torch's bfloat16 matmuls convert through slower paths). Past it the product is
+# compute-bound, and which formulation is fastest depends on the CPU (its bfloat16 support,
+# oneDNN's and the BLAS's paths), so `prefill_linear` measures them once.
 ALWAYS_ROWS = 16
-_PROBE_ROWS = 64
+# The routes are timed at these row counts; a product takes the winner at the nearest one (in
+# ratio: up to 128 rows the 64-row winner). Our kernel's multiply-add rate is flat in the rows,
+# the float32 GEMM's grows with them, so the answer can change between the two.
+_PROBE_ROWS = (64, 256)
+# Weight rows converted to float32 at a time by `f32_chunked_linear`: a few MiB, so a chunk is
+# still in cache when the GEMM reads it.
+_CHUNK_BYTES = 4 << 20
 
 
-def max_kernel_rows(weight: torch.Tensor) -> int:
-    """The most activation rows to send to the kernel: ALWAYS_ROWS, or no limit when the kernel
-    also beats torch's F.linear at _PROBE_ROWS rows on this weight. Measured once per process on
-    the first weight asked about (a few milliseconds), logged, then reused."""
-    limit = _loaded.get("max_rows")
-    if limit is not None:
-        return int(limit)
-    module = cpu_kernels()
-    assert module is not None
-    x = torch.randn(_PROBE_ROWS, weight.shape[1], dtype=weight.dtype, device="cpu")
-    ours = _best_seconds(lambda: module.bf16_linear(x, weight, None))
-    theirs = _best_seconds(lambda: F.linear(x, weight))
-    limit = 1 << 62 if ours < theirs else ALWAYS_ROWS
+def f32_chunked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) in float32 GEMMs over float32 copies of a few weight
+    rows at a time, the result in x's dtype. The weights are converted once per call, so the
+    conversion is amortised over M rows; the GEMM is the BLAS's float32 one, far faster than
+    bfloat16 on CPUs without native bfloat16 arithmetic."""
+    xf = x.float()
+    num_out, num_in = weight.shape
+    out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
+    chunk = max(16, _CHUNK_BYTES // (4 * num_in))
+    for n0 in range(0, num_out, chunk):
+        n1 = min(num_out, n0 + chunk)
+        part = torch.mm(xf, weight[n0:n1].float().t())
+        if bias is not None:
+            part += bias[n0:n1].float()
+        out[:, n0:n1] = part
+    return out
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    return F.linear(x, weight, bias)
+
+
+def _ours(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    return _loaded["module"].bf16_linear(x, weight, bias)
+
+
+PREFILL_ROUTES = {"ours": _ours, "float32 chunks": f32_chunked_linear, "torch": _torch_linear}
+
+
+def prefill_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A bfloat16 CPU linear over more than ALWAYS_ROWS rows (prefill chunks, big batches), by
+    the route that measured fastest here at about that many rows."""
+    return PREFILL_ROUTES[prefill_route(weight, x.shape[0])](x, weight, bias)
+
+
+def prefill_route(weight: torch.Tensor, rows: int) -> str:
+    """The fastest of PREFILL_ROUTES for `rows` rows. Timed at each of _PROBE_ROWS on the first
+    weight asked about, once per process (well under a second), logged, then reused for every
+    bfloat16 weight."""
+    routes = _loaded.get("prefill_routes")
+    if routes is None:
+        with _lock:
+            if "prefill_routes" not in _loaded:
+                _loaded["prefill_routes"] = {
+                    probe: _measure_prefill_routes(weight, probe) for probe in _PROBE_ROWS
+                }
+        routes = _loaded["prefill_routes"]
+    nearest = min(_PROBE_ROWS, key=lambda probe: abs(math.log(rows / probe)))
+    return str(routes[nearest])
+
+
+def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device="cpu")
+    routes = dict(PREFILL_ROUTES)
+    if cpu_kernels_if_loaded() is None:
+        del routes["ours"]
+    seconds = {
+        name: _best_seconds(lambda fn=fn: fn(x, weight, None)) for name, fn in routes.items()
+    }
+    best = min(seconds, key=seconds.__getitem__)
     logger.info(
-        "bfloat16 linear over %d rows: ours %.2f ms, torch %.2f ms -> ours %s",
-        _PROBE_ROWS,
-        ours * 1e3,
-        theirs * 1e3,
-        "at every size" if ours < theirs else f"up to {ALWAYS_ROWS} rows",
+        "bfloat16 linear over %d rows, %s: %s -> %s",
+        rows,
+        "x".join(map(str, weight.shape)),
+        ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()),
+        best,
     )
-    _loaded["max_rows"] = limit
-    return limit
+    return best
+
+
+def cpu_kernels_if_loaded() -> Any | None:
+    """The compiled module if `cpu_kernels()` has decided, else None (never builds)."""
+    return _loaded.get("module")
 
 
 def _best_seconds(fn: Any, repeats: int = 3) -> float:

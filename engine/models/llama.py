@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import ALWAYS_ROWS, cpu_kernels, max_kernel_rows
+from engine.kernels import ALWAYS_ROWS, cpu_kernels, prefill_linear
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,10 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] -> [num_tokens, out], with the CPU kernels that stream weights fastest.
 
-    bfloat16 weights: our own AVX2 kernel (engine/kernels), where it could be built, for decode
-    and verify steps, and for prefill chunks too where it measured faster than torch's GEMM on
-    this machine (`max_kernel_rows`). Otherwise torch's, chosen as follows.
+    bfloat16 weights: up to ALWAYS_ROWS rows (decode and verify steps), our own AVX2 kernel
+    (engine/kernels) where it could be built; past it (prefill chunks), whichever of our kernel,
+    float32 GEMMs over converted weight chunks and torch's bfloat16 GEMM measured fastest on this
+    machine (`prefill_linear`). Without the kernel, small products go to torch as follows.
 
     Measured here on bfloat16 weights, cycling through all 28 layers of the 1.5B model so nothing
     sits in cache: F.linear reads them at ~19-20 GB/s for 1 to 16 rows; torch.mv (one row) at
@@ -102,9 +103,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16:
         kernels = cpu_kernels()
-        if kernels is not None and (
-            x.shape[0] <= ALWAYS_ROWS or x.shape[0] <= max_kernel_rows(weight)
-        ):
+        if x.shape[0] > ALWAYS_ROWS:
+            return prefill_linear(x, weight, bias)
+        if kernels is not None:
             return kernels.bf16_linear(x, weight, bias)
     if x.shape[0] == 1:
         out = torch.mv(weight, x[0])

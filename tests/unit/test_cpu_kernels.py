@@ -4,6 +4,7 @@ built, to torch)."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -64,28 +65,77 @@ def _spy(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(
-    ("measured_limit", "expected"), [(16, [1, 4, 16]), (1 << 62, [1, 4, 16, 17, 64])]
-)
-def test_decode_shaped_bf16_linears_go_to_the_kernel(monkeypatch, measured_limit, expected):
-    """Decode and verify shapes always; prefill shapes where the kernel measured faster."""
+def test_decode_shaped_bf16_linears_go_to_the_kernel_and_prefill_to_the_measured_route(
+    monkeypatch,
+):
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(llama, "max_kernel_rows", lambda weight: measured_limit)
+    prefill: list[int] = []
+
+    def spy_prefill(x, weight, bias=None):
+        prefill.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(llama, "prefill_linear", spy_prefill)
     weight = torch.randn(16, 32).bfloat16()
     for rows in (1, 4, llama.ALWAYS_ROWS, llama.ALWAYS_ROWS + 1, 64):
         llama.linear(torch.randn(rows, 32).bfloat16(), weight)
     llama.linear(torch.randn(3, 32), torch.randn(16, 32))  # float32: torch
-    assert calls == expected
+    assert calls == [1, 4, llama.ALWAYS_ROWS]
+    assert prefill == [llama.ALWAYS_ROWS + 1, 64]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_chunks_match_float64(monkeypatch, with_bias):
+    monkeypatch.setattr(kernels, "_CHUNK_BYTES", 4 * 40 * 16)  # 16-row chunks: 3 and a tail
+    x, weight = torch.randn(37, 40).bfloat16(), torch.randn(53, 40).bfloat16()
+    bias = torch.randn(53).bfloat16() if with_bias else None
+    ref = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    out = kernels.f32_chunked_linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (37, 53) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=2e-2)
+
+
+def test_the_prefill_route_is_the_fastest_at_the_nearest_probe_measured_once(monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {"module": None})  # no kernel: two routes compete
+    timed: list[tuple[str, int]] = []
+
+    def fake_seconds(fn):
+        route = fn.__defaults__[0]
+        name = next(n for n, f in kernels.PREFILL_ROUTES.items() if f is route)
+        rows = inspect.getclosurevars(fn).nonlocals["x"].shape[0]
+        timed.append((name, rows))
+        # torch wins at 64 rows, the float32 chunks at 256
+        return {("torch", 64): 1, ("float32 chunks", 64): 2, ("torch", 256): 4}.get((name, rows), 3)
+
+    monkeypatch.setattr(kernels, "_best_seconds", fake_seconds)
+    weight = torch.randn(32, 64).bfloat16()
+    assert [kernels.prefill_route(weight, rows) for rows in (17, 64, 127)] == ["torch"] * 3
+    assert sorted(timed) == sorted((n, r) for n in ("float32 chunks", "torch") for r in (64, 256))
+    assert [kernels.prefill_route(weight, rows) for rows in (129, 256, 4096)] == [
+        "float32 chunks"
+    ] * 3
+    assert len(timed) == 4  # not measured again
+    for rows in (20, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        ref = x.double() @ weight.double().t()
+        torch.testing.assert_close(
+            kernels.prefill_linear(x, weight).double(), ref, rtol=2e-2, atol=5e-2
+        )
 
 
 @needs_kernels
-def test_the_prefill_choice_is_measured_once(monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", {"module": kernels.cpu_kernels()})
-    weight = torch.randn(256, 512).bfloat16()
-    limit = kernels.max_kernel_rows(weight)
-    assert limit in (kernels.ALWAYS_ROWS, 1 << 62)
-    monkeypatch.setattr(kernels, "_best_seconds", lambda fn: pytest.fail("measured twice"))
-    assert kernels.max_kernel_rows(weight) == limit
+def test_with_the_kernel_all_three_routes_are_measured(monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.cpu_kernels() is not None
+    for rows in (17, 1000):
+        assert (
+            kernels.prefill_route(torch.randn(64, 128).bfloat16(), rows) in kernels.PREFILL_ROUTES
+        )
+    x, weight = torch.randn(40, 128).bfloat16(), torch.randn(64, 128).bfloat16()
+    ref = x.double() @ weight.double().t()
+    torch.testing.assert_close(
+        kernels.prefill_linear(x, weight).double(), ref, rtol=2e-2, atol=5e-2
+    )
 
 
 def test_without_the_kernel_torch_computes_the_same(monkeypatch):
