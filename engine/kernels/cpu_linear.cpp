@@ -70,18 +70,37 @@ inline void tile(const float* x, const uint16_t* w, float* out, int64_t K, int64
   }
 }
 
-// Weight rows [n0, n1) against activation rows [m0, m1).
+// NT weight rows against MT activation rows, MT chosen at run time (1 to 6).
+template <int NT>
+inline void tile_rows(int64_t mt, const float* x, const uint16_t* w, float* out, int64_t K,
+                      int64_t N, int64_t n, int64_t m) {
+  switch (mt) {
+    case 6: tile<NT, 6>(x, w, out, K, N, n, m); break;
+    case 5: tile<NT, 5>(x, w, out, K, N, n, m); break;
+    case 4: tile<NT, 4>(x, w, out, K, N, n, m); break;
+    case 3: tile<NT, 3>(x, w, out, K, N, n, m); break;
+    case 2: tile<NT, 2>(x, w, out, K, N, n, m); break;
+    default: tile<NT, 1>(x, w, out, K, N, n, m); break;
+  }
+}
+
+// Weight rows [n0, n1) against activation rows [m0, m1). With 2 weight rows per group the
+// activation rows go in tiles of up to 6 (12 accumulators), as even as possible (9 rows: 5 + 4,
+// not 6 + 2 + 1): every weight load is then shared by as many multiply-adds as the registers
+// allow, which is what bounds these shapes once they stop being bandwidth-bound.
 template <int NT>
 void row_range(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t m1, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t kMaxTile = NT <= 2 ? 6 : 1;
   int64_t n = n0;
   for (; n + NT <= n1; n += NT) {
-    int64_t m = m0;
-    if constexpr (NT <= 2) {
-      for (; m + 4 <= m1; m += 4) tile<NT, 4>(x, w, out, K, N, n, m);
+    for (int64_t m = m0; m < m1;) {
+      const int64_t left = m1 - m;
+      const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
+      const int64_t mt = (left + tiles - 1) / tiles;
+      tile_rows<NT>(mt, x, w, out, K, N, n, m);
+      m += mt;
     }
-    for (; m + 2 <= m1; m += 2) tile<NT, 2>(x, w, out, K, N, n, m);
-    for (; m < m1; ++m) tile<NT, 1>(x, w, out, K, N, n, m);
   }
   for (; n < n1; ++n) {
     for (int64_t m = m0; m < m1; ++m) tile<1, 1>(x, w, out, K, N, n, m);
@@ -109,7 +128,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   // Work in groups of 4 weight rows (one activation row: 4 rows in flight hide memory latency)
-  // or 2 (more activation rows: 2 x 4 accumulators).
+  // or 2 (more activation rows: 2 x up to 6 accumulators).
   const int64_t group = M == 1 ? 4 : 2;
   const int64_t num_groups = (N + group - 1) / group;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
