@@ -5,7 +5,6 @@ process-tree RSS, and each engine's exact command line and environment."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,26 +16,12 @@ import httpx
 import pytest
 import yaml
 
+from tests.unit.bench_scripts import BENCH, load_bench_script
+
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
 
 
-def _load_bench():
-    """bench/peers.py with what it imports from bench/; bench/ leaves sys.path afterwards, so
-    its other scripts (spec.py...) cannot shadow modules of the same name."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "peers.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        while str(BENCH) in sys.path:
-            sys.path.remove(str(BENCH))
-    return module, sys.modules["peers_setup"], sys.modules["policy_workload"]
-
-
-P, S, W = _load_bench()
+P, S, W = load_bench_script("peers.py", "peers_setup", "policy_workload")
 
 
 def _result(times, tokens, error=None) -> W.RequestResult:

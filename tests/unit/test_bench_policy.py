@@ -5,35 +5,16 @@ request against a mock transport."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
-import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.unit.bench_scripts import load_bench_script
 
-
-def _load_bench():
-    """bench/policy.py and the policy_workload it imports; bench/ leaves sys.path afterwards,
-    so its other scripts (spec.py...) cannot shadow modules of the same name."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_policy", BENCH / "policy.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        while str(BENCH) in sys.path:
-            sys.path.remove(str(BENCH))
-    return module, sys.modules["policy_workload"]
-
-
-P, W = _load_bench()
+P, W = load_bench_script("policy.py", "policy_workload")
 
 
 def _level(mode, c, tps, workload="mixed", share=None) -> W.LevelResult:
