@@ -41,6 +41,19 @@ STARTUP_TIMEOUT_S = 60.0
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory) -> Path:
     """A 1-layer, width-32 Llama with SmolLM2's tokenizer and chat template (eos id 2)."""
+    return build_chat_model(
+        tmp_path_factory.mktemp("tiny-chat"),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
+def build_chat_model(directory: Path, **config: object) -> Path:
+    """A 1-layer Llama over SmolLM2's vocabulary in `directory`, with the bundled SmolLM2
+    tokenizer and chat template copied beside it (skips the test where SmolLM2 is not
+    installed); `config` gives the shape (and seed)."""
     from engine.models.bundled import resolve_model
 
     try:
@@ -48,15 +61,12 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     except Exception as e:  # not installed: `specserve install-model smollm2-135m-instruct`
         pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
     path = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-chat"),
+        directory,
         "llama",
         vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         max_position_embeddings=1024,
+        **config,
     )
     for name in TOKENIZER_FILES:
         if (source / name).exists():

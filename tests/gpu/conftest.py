@@ -9,7 +9,6 @@ through the `gpu_record` fixture. The summary block prints once some gpu test ha
 from __future__ import annotations
 
 import importlib.metadata
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,23 +224,6 @@ def gpu_draft(gpu_target, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gpu_chat_model(device, tmp_path_factory) -> Path:
     """A tiny Llama over SmolLM2's vocabulary with its tokenizer and chat template."""
-    from engine.models.bundled import resolve_model
-    from tests.e2e.conftest import TOKENIZER_FILES
+    from tests.e2e.conftest import build_chat_model
 
-    try:
-        source = Path(resolve_model("smollm2-135m-instruct"))
-    except Exception as e:  # not installed: `specserve install-model smollm2-135m-instruct`
-        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("gpu-chat"),
-        "llama",
-        seed=24,
-        vocab_size=49152,
-        num_hidden_layers=1,
-        max_position_embeddings=1024,
-        **_SHAPE,
-    )
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, path / name)
-    return path
+    return build_chat_model(tmp_path_factory.mktemp("gpu-chat"), seed=24, **_SHAPE)
