@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import BatchLayout, flatten_step
 from engine.models.llama import ForwardContext
 from engine.spec.config import SpeculativeConfig
 
@@ -213,8 +213,9 @@ class CudaGraphs:
         bucket = self.bucket(chunks)
         if bucket is None:
             return NOT_CAPTURED
-        layout, token_ids, positions = _flatten(chunks, self._runner.block_size)
-        self._load(layout, token_ids, positions, bucket.num_tokens)
+        step = flatten_step(chunks, self._runner.block_size)
+        layout = step.layout
+        self._load(layout, step.token_ids, step.positions, bucket.num_tokens)
         captured = self._graphs[bucket]
         captured.graph.replay()
         hidden = captured.hidden[: layout.num_tokens]  # [num_tokens, hidden_size]
@@ -266,28 +267,6 @@ class CudaGraphs:
             return runner.model(ids, ctx)  # [t, hidden_size]
 
         return body
-
-
-def _flatten(
-    chunks: Sequence[SeqChunk], block_size: int
-) -> tuple[BatchLayout, list[int], list[int]]:
-    """The step's layout, token ids and positions, flattened as ModelRunner.forward does."""
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    for c in chunks:
-        span = range(c.start, c.start + len(c.token_ids))
-        token_ids += c.token_ids
-        positions += span
-        slots += [c.block_table[p // block_size] * block_size + p % block_size for p in span]
-    layout = BatchLayout(
-        query_lens=tuple(len(c.token_ids) for c in chunks),
-        seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
-        block_tables=tuple(tuple(c.block_table) for c in chunks),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
-        block_size=block_size,
-    )
-    return layout, token_ids, positions
 
 
 def make_cuda_graphs(

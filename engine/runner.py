@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.attention import BatchLayout, get_attention_backend
+from engine.attention import get_attention_backend
+from engine.attention.base import flatten_step
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.device import Device
@@ -116,36 +117,18 @@ class ModelRunner:
             logits = self.graphs.forward(chunks)
             if logits is not NOT_CAPTURED:
                 return logits
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_idx: list[int] = []
-        for c in chunks:
-            span = range(c.start, c.start + len(c.token_ids))
-            token_ids += c.token_ids
-            positions += span
-            table = c.block_table
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            logit_idx += range(len(token_ids) - c.num_logits, len(token_ids))
-        layout = BatchLayout(
-            query_lens=tuple(len(c.token_ids) for c in chunks),
-            seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
-            block_tables=tuple(tuple(c.block_table) for c in chunks),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
-            block_size=bs,
-        )
-        pos = self.device.tensor(positions, torch.int64)  # [num_tokens]
+        step = flatten_step(chunks, self.block_size)
+        pos = self.device.tensor(step.positions, torch.int64)  # [num_tokens]
         cos, sin = self.rope(pos, self.dtype)
         ctx = ForwardContext(
             backend=self.backend,
-            attn_metadata=self.backend.build_metadata(layout, self.device.torch),
+            attn_metadata=self.backend.build_metadata(step.layout, self.device.torch),
             kv_caches=self.kv_caches,
             cos=cos,
             sin=sin,
         )
-        ids = self.device.tensor(token_ids, torch.int64)  # [num_tokens]
+        ids = self.device.tensor(step.token_ids, torch.int64)  # [num_tokens]
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
-        if not logit_idx:
+        if not step.logit_rows:
             return None
-        return self.model.compute_logits(hidden[logit_idx])  # [num_logits, vocab_size]
+        return self.model.compute_logits(hidden[step.logit_rows])  # [num_logits, vocab_size]

@@ -8,6 +8,7 @@ layer shaped [num_blocks, block_size, num_kv_heads, head_dim].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,40 @@ class BatchLayout:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.numel())
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """A step's chunks flattened back to back: what a forward feeds the model."""
+
+    layout: BatchLayout
+    token_ids: list[int]  # [num_tokens]
+    positions: list[int]  # [num_tokens]
+    logit_rows: list[int]  # rows whose logits are asked for, in chunk order
+
+
+def flatten_step(chunks: Sequence[Any], block_size: int) -> FlatStep:
+    """Flatten a step's chunks (engine.runner.SeqChunk: token_ids, start, block_table,
+    num_logits) into token ids, positions, cache slots and the rows that need logits."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logit_rows: list[int] = []
+    for c in chunks:
+        span = range(c.start, c.start + len(c.token_ids))
+        token_ids += c.token_ids
+        positions += span
+        table = c.block_table
+        slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        logit_rows += range(len(token_ids) - c.num_logits, len(token_ids))
+    layout = BatchLayout(
+        query_lens=tuple(len(c.token_ids) for c in chunks),
+        seq_lens=tuple(c.start + len(c.token_ids) for c in chunks),
+        block_tables=tuple(tuple(c.block_table) for c in chunks),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
+        block_size=block_size,
+    )
+    return FlatStep(layout, token_ids, positions, logit_rows)
 
 
 class AttentionBackend(Protocol):
