@@ -168,7 +168,7 @@ def prefill_route(weight: torch.Tensor, rows: int) -> str:
 def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device="cpu")
     routes = dict(PREFILL_ROUTES)
-    if cpu_kernels_if_loaded() is None:
+    if cpu_kernels() is None:
         del routes["ours"]
     seconds = {
         name: _best_seconds(lambda fn=fn: fn(x, weight, None)) for name, fn in routes.items()
@@ -182,11 +182,6 @@ def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
         best,
     )
     return best
-
-
-def cpu_kernels_if_loaded() -> Any | None:
-    """The compiled module if `cpu_kernels()` has decided, else None (never builds)."""
-    return _loaded.get("module")
 
 
 def _best_seconds(fn: Any, repeats: int = 3) -> float:
