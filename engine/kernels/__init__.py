@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant.cpp"))
+# -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 
@@ -72,7 +73,7 @@ def _build() -> Any:
 
     from engine.models.bundled import cache_root
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES) + " ".join(_FLAGS).encode()
     key = hashlib.sha256(
         source + torch.__version__.encode() + platform.python_version().encode()
     ).hexdigest()[:16]
@@ -87,7 +88,7 @@ def _build() -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         module = load(
             name=f"specserve_cpu_kernels_{key}",
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             build_directory=str(build_dir),
             verbose=False,
@@ -191,4 +192,77 @@ def _best_seconds(fn: Any, repeats: int = 3) -> float:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ---------------------------------------------------------------------------- GGUF blocks
+
+# Up to ALWAYS_ROWS rows (decode and verify steps) a quantised linear always runs our kernel,
+# which computes each row alike whatever the batch, so a request's tokens do not depend on what
+# it is batched with; past it (prefill chunks) `quant_route` picks by measurement.
+_QUANT_PROBE_ROWS = (64, 256)
+
+
+def dequantized_chunks_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [M, K] @ W.T in float32 GEMMs, W dequantised (exactly) a few MiB of rows at a time: for
+    many rows the BLAS's GEMM outruns a kernel that decodes every block for each tile of rows."""
+    module = _loaded["module"]
+    xf = x.float()
+    num_out, num_in = blocks.shape[0], x.shape[1]
+    out = torch.empty(x.shape[0], num_out, dtype=torch.float32, device="cpu")
+    chunk = max(16, _CHUNK_BYTES // (4 * num_in))
+    for n0 in range(0, num_out, chunk):
+        n1 = min(num_out, n0 + chunk)
+        out[:, n0:n1] = torch.mm(xf, module.dequantize(blocks[n0:n1], qtype, num_in).t())
+    return out
+
+
+def _quant_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    return _loaded["module"].quant_linear(x, blocks, qtype)
+
+
+QUANT_ROUTES = {"ours": _quant_kernel, "dequantised chunks": dequantized_chunks_linear}
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [M, K] @ W.T in float32 for a GGUF-quantised W (engine.models.gguf), by the route that
+    measured fastest here at about M rows. Needs `cpu_kernels()`."""
+    rows = x.shape[0]
+    if rows <= ALWAYS_ROWS:
+        return _quant_kernel(x, blocks, qtype)
+    return QUANT_ROUTES[quant_route(blocks, qtype, x.shape[1], rows)](x, blocks, qtype)
+
+
+def quant_route(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
+    """The faster of QUANT_ROUTES at the probe nearest `rows` (in ratio), timed once per process
+    on the first weight asked about with at least 1,024 rows, and logged."""
+    routes = _loaded.get("quant_routes")
+    if routes is None:
+        if blocks.shape[0] < 1024:  # too small to time what the big projections do
+            return "dequantised chunks"
+        with _lock:
+            if "quant_routes" not in _loaded:
+                _loaded["quant_routes"] = {
+                    probe: _measure_quant_routes(blocks, qtype, columns, probe)
+                    for probe in _QUANT_PROBE_ROWS
+                }
+        routes = _loaded["quant_routes"]
+    nearest = min(_QUANT_PROBE_ROWS, key=lambda probe: abs(math.log(rows / probe)))
+    return str(routes[nearest])
+
+
+def _measure_quant_routes(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
+    x = torch.randn(rows, columns, device="cpu")
+    seconds = {
+        name: _best_seconds(lambda fn=fn: fn(x, blocks, qtype)) for name, fn in QUANT_ROUTES.items()
+    }
+    best = min(seconds, key=seconds.__getitem__)
+    logger.info(
+        "quantised linear over %d rows, %dx%d: %s -> %s",
+        rows,
+        blocks.shape[0],
+        columns,
+        ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()),
+        best,
+    )
     return best

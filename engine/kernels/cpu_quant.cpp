@@ -1,0 +1,522 @@
+// Linear layers over GGUF block-quantised weights (the formats llama.cpp writes), for x86-64 CPUs
+// with AVX2, FMA and F16C: the weights stay in the file's blocks in memory, so a decode step reads
+// ~0.56 bytes per weight (Q4_K) instead of bfloat16's 2.
+//
+// Every format stores groups of 32 weights as small integers q with a float scale s (per 16 for
+// Q6_K) and, for some, an offset: the weight is s * q - mm. `dequantize` computes exactly that,
+// in float32 with the same operations and order as the reference dequantiser of the gguf package
+// (built with -ffp-contract=off so no multiply-add is fused), so its output equals the file's
+// dequantised tensor bit for bit. `quant_linear` multiplies activations by those same weights
+// without materialising them: per group it sums q * x in float32 and scales the sum once,
+// sum_k (s q_k - mm) x_k = s * sum_k q_k x_k - mm * sum_k x_k, with sum_k x_k computed once per
+// activation row and group. Activations stay float32 (no activation quantisation), so the result
+// differs from x @ dequantize(W).T only by float32 summation order.
+//
+// Formats (ggml's type ids): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8): blocks of 32 weights;
+// Q4_K (12), Q6_K (14): super-blocks of 256; and Q6_K8 (our 1014), Q6_K's values one byte per
+// weight, which `repack_q6_k` makes at load (`repack_q5_0` likewise turns Q5_0 into Q8_0).
+// Threads come from torch's pool (at::parallel_for).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+inline __m256i bytes8_u32(const uint8_t* p) {  // 8 bytes zero-extended to 8 int32 lanes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i bytes8_i32(const uint8_t* p) {  // 8 bytes sign-extended to 8 int32 lanes
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One group of 32 weights: q[0..3] hold q for weights 0-7, 8-15, 16-23, 24-31 (integer-valued
+// floats, the format's zero point already subtracted), weights 0-15 scale by s0 and 16-31 by s1,
+// and mm is subtracted from every weight (0 where the format has no offset).
+struct Group {
+  __m256 q[4];
+  float s0, s1, mm;
+};
+
+// Each format: kWeights per block, kBytes per block, kHasOffset (whether mm can be nonzero),
+// kTwoScales (whether s0 and s1 can differ), and group(block, g, out) for g in [0, kWeights / 32).
+
+struct Q4_0 {
+  static constexpr int kWeights = 32, kBytes = 18;
+  static constexpr bool kHasOffset = false, kTwoScales = false;
+  static inline void group(const uint8_t* b, int, Group& out) {
+    const float d = f16(b);
+    const __m256i lo = bytes8_u32(b + 2), hi = bytes8_u32(b + 10), mask = _mm256_set1_epi32(15);
+    const __m256i eight = _mm256_set1_epi32(8);
+    out.q[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(lo, mask), eight));
+    out.q[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(hi, mask), eight));
+    out.q[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(lo, 4), eight));
+    out.q[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(hi, 4), eight));
+    out.s0 = out.s1 = d;
+    out.mm = 0.0f;
+  }
+};
+
+struct Q4_1 {  // weight = d * q + m
+  static constexpr int kWeights = 32, kBytes = 20;
+  static constexpr bool kHasOffset = true, kTwoScales = false;
+  static inline void group(const uint8_t* b, int, Group& out) {
+    const __m256i lo = bytes8_u32(b + 4), hi = bytes8_u32(b + 12), mask = _mm256_set1_epi32(15);
+    out.q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+    out.q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+    out.q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    out.q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+    out.s0 = out.s1 = f16(b);
+    out.mm = -f16(b + 2);
+  }
+};
+
+struct Q5_0 {  // 4 low bits in nibbles, the fifth in a 32-bit mask; weight = d * (q - 16)
+  static constexpr int kWeights = 32, kBytes = 22;
+  static constexpr bool kHasOffset = false, kTwoScales = false;
+  static inline void group(const uint8_t* b, int, Group& out) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof(qh));
+    const __m256i lo = bytes8_u32(b + 6), hi = bytes8_u32(b + 14), mask = _mm256_set1_epi32(15);
+    const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
+    const __m256i nib[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask),
+                            _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
+    for (int i = 0; i < 4; ++i) {
+      const __m256i shift = _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i));
+      const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(bits, shift), one);
+      const __m256i q = _mm256_or_si256(nib[i], _mm256_slli_epi32(high, 4));
+      out.q[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen));
+    }
+    out.s0 = out.s1 = f16(b);
+    out.mm = 0.0f;
+  }
+};
+
+struct Q8_0 {  // weight = d * q, q int8
+  static constexpr int kWeights = 32, kBytes = 34;
+  static constexpr bool kHasOffset = false, kTwoScales = false;
+  static inline void group(const uint8_t* b, int, Group& out) {
+    for (int i = 0; i < 4; ++i) out.q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 2 + 8 * i));
+    out.s0 = out.s1 = f16(b);
+    out.mm = 0.0f;
+  }
+};
+
+struct Q4_K {  // super-block: d, dmin, 8 six-bit (scale, min) pairs, 256 nibbles
+  static constexpr int kWeights = 256, kBytes = 144;
+  static constexpr bool kHasOffset = true, kTwoScales = false;
+  static inline void group(const uint8_t* b, int g, Group& out) {
+    const uint8_t* sc = b + 4;
+    int scale, min;
+    if (g < 4) {
+      scale = sc[g] & 63;
+      min = sc[g + 4] & 63;
+    } else {
+      scale = (sc[g + 4] & 0x0F) | ((sc[g - 4] >> 6) << 4);
+      min = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
+    }
+    // Groups 2c and 2c + 1 are the low and high nibbles of the same 32 bytes.
+    const uint8_t* qs = b + 16 + 32 * (g / 2);
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = bytes8_u32(qs + 8 * i);
+      out.q[i] = _mm256_cvtepi32_ps((g & 1) ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask));
+    }
+    out.s0 = out.s1 = f16(b) * static_cast<float>(scale);
+    out.mm = f16(b + 2) * static_cast<float>(min);
+  }
+};
+
+struct Q6_K {  // super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+  static constexpr int kWeights = 256, kBytes = 210;
+  static constexpr bool kHasOffset = false, kTwoScales = true;
+  static inline void group(const uint8_t* b, int g, Group& out) {
+    const int half = g / 4, t = g % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (t & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    const __m256i mask = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+    const __m256i offset = _mm256_set1_epi32(32);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i low_all = bytes8_u32(ql + 8 * i);
+      const __m256i low = (t >> 1) ? _mm256_srli_epi32(low_all, 4) : _mm256_and_si256(low_all, mask);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8_u32(qh + 8 * i), 2 * t), three);
+      const __m256i q = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+      out.q[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, offset));
+    }
+    out.s0 = d * static_cast<float>(scales[2 * g]);
+    out.s1 = d * static_cast<float>(scales[2 * g + 1]);
+    out.mm = 0.0f;
+  }
+};
+
+// Q6_K re-laid out at load for a cheaper decode (repack_q6_k): per super-block the 256 values
+// q - 32 as int8, then the 16 int8 scales, then d. The weight is (d * scale) * (q - 32), exactly
+// as from the Q6_K block; the decode is a widening load where Q6_K needs five bit operations.
+struct Q6_K8 {
+  static constexpr int kWeights = 256, kBytes = 274;
+  static constexpr bool kHasOffset = false, kTwoScales = true;
+  static inline void group(const uint8_t* b, int g, Group& out) {
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 256);
+    const float d = f16(b + 272);
+    for (int i = 0; i < 4; ++i) out.q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 32 * g + 8 * i));
+    out.s0 = d * static_cast<float>(scales[2 * g]);
+    out.s1 = d * static_cast<float>(scales[2 * g + 1]);
+    out.mm = 0.0f;
+  }
+};
+constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
+
+// ---------------------------------------------------------------------------- dequantize
+
+template <class Q>
+void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int64_t K, float* out) {
+  const int64_t num_blocks = K / Q::kWeights;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t bi = 0; bi < num_blocks; ++bi) {
+        const uint8_t* b = blocks + r * row_bytes + bi * Q::kBytes;
+        for (int g = 0; g < Q::kWeights / 32; ++g) {
+          Group grp;
+          Q::group(b, g, grp);
+          float* dst = out + r * K + bi * Q::kWeights + 32 * g;
+          const __m256 mm = _mm256_set1_ps(grp.mm);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 s = _mm256_set1_ps(i < 2 ? grp.s0 : grp.s1);
+            __m256 w = _mm256_mul_ps(s, grp.q[i]);
+            if (Q::kHasOffset) w = _mm256_sub_ps(w, mm);
+            _mm256_storeu_ps(dst + 8 * i, w);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------- linear
+
+// The products below keep the group decoding of `Group` but work a block at a time, so the
+// per-block values (scales, offsets) are unpacked once, with vector operations, and the
+// accumulators are split (acc[j][0], acc[j][1]) so consecutive multiply-adds do not wait on each
+// other. x points at the block's first column of activation row 0 (rows K floats apart); xs at the
+// block's first group sum of row 0 (rows G floats apart).
+
+inline __m256 dot4(const __m256* q, const float* x) {  // sum over 32 weights, 8 lanes
+  __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+  t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), t);
+  t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), t);
+  return _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), t);
+}
+
+// Formats of one group per block (Q4_0, Q4_1, Q5_0, Q8_0): parity alternates the accumulator.
+template <class Q, int MT>
+inline void small_block(const uint8_t* b, const float* x, const float* xs, int64_t K, int64_t G,
+                        int parity, __m256 (*acc)[2], float* off) {
+  Group grp;
+  Q::group(b, 0, grp);
+  const __m256 s = _mm256_set1_ps(grp.s0);
+  for (int j = 0; j < MT; ++j) {
+    acc[j][parity] = _mm256_fmadd_ps(s, dot4(grp.q, x + j * K), acc[j][parity]);
+    if (Q::kHasOffset) off[j] += grp.mm * xs[j * G];
+  }
+}
+
+template <int MT>
+inline void q4k_block(const uint8_t* b, const float* x, const float* xs, int64_t K, int64_t G,
+                      __m256 (*acc)[2], __m256* off) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, sizeof(u));
+  // The eight 6-bit scales and mins (gguf's get_scale_min), four bytes at a time.
+  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
+  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
+                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
+  alignas(32) float scale[8];
+  const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
+  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
+  const __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
+  for (int j = 0; j < MT; ++j) off[j] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + j * G), off[j]);
+  const uint8_t* qs = b + 16;
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int c = 0; c < 4; ++c) {  // 32 bytes: group 2c in the low nibbles, 2c + 1 in the high
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = bytes8_u32(qs + 32 * c + 8 * i);
+      lo[i] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+      hi[i] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    }
+    const __m256 s_lo = _mm256_broadcast_ss(scale + 2 * c), s_hi = _mm256_broadcast_ss(scale + 2 * c + 1);
+    for (int j = 0; j < MT; ++j) {
+      const float* xj = x + j * K + 64 * c;
+      acc[j][0] = _mm256_fmadd_ps(s_lo, dot4(lo, xj), acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(s_hi, dot4(hi, xj + 32), acc[j][1]);
+    }
+  }
+}
+
+template <int MT>
+inline void q6k_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc)[2]) {
+  const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+  alignas(32) float scale[16];
+  const __m256 d = _mm256_set1_ps(f16(b + 208));
+  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(reinterpret_cast<const uint8_t*>(scales)))));
+  _mm256_store_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(reinterpret_cast<const uint8_t*>(scales + 8)))));
+  const __m256i mask = _mm256_set1_epi32(15), high = _mm256_set1_epi32(0x30), offset = _mm256_set1_epi32(32);
+  for (int h = 0; h < 2; ++h) {  // halves of 128 weights: groups 4h .. 4h + 3
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    __m256 q[4][4];  // [t][i]: group 4h + t, weights 8i .. 8i + 7
+    for (int i = 0; i < 4; ++i) {
+      const __m256i a = bytes8_u32(ql + 8 * i), c = bytes8_u32(ql + 32 + 8 * i);
+      const __m256i hb = bytes8_u32(qh + 8 * i);
+      const __m256i q0 = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_and_si256(_mm256_slli_epi32(hb, 4), high));
+      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(c, mask), _mm256_and_si256(_mm256_slli_epi32(hb, 2), high));
+      const __m256i q2 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(hb, high));
+      const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), high));
+      q[0][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, offset));
+      q[1][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, offset));
+      q[2][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, offset));
+      q[3][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, offset));
+    }
+    for (int t = 0; t < 4; ++t) {
+      const int g = 4 * h + t;
+      const __m256 s0 = _mm256_broadcast_ss(scale + 2 * g), s1 = _mm256_broadcast_ss(scale + 2 * g + 1);
+      for (int j = 0; j < MT; ++j) {
+        const float* xj = x + j * K + 32 * g;
+        __m256 t0 = _mm256_mul_ps(q[t][0], _mm256_loadu_ps(xj));
+        t0 = _mm256_fmadd_ps(q[t][1], _mm256_loadu_ps(xj + 8), t0);
+        __m256 t1 = _mm256_mul_ps(q[t][2], _mm256_loadu_ps(xj + 16));
+        t1 = _mm256_fmadd_ps(q[t][3], _mm256_loadu_ps(xj + 24), t1);
+        acc[j][t & 1] = _mm256_fmadd_ps(s0, t0, acc[j][t & 1]);
+        acc[j][t & 1] = _mm256_fmadd_ps(s1, t1, acc[j][t & 1]);
+      }
+    }
+  }
+}
+
+template <int MT>
+inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc)[2]) {
+  alignas(32) float scale[16];
+  const __m256 d = _mm256_set1_ps(f16(b + 272));
+  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 256))));
+  _mm256_store_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 264))));
+  for (int g = 0; g < 8; ++g) {
+    __m256 q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 32 * g + 8 * i));
+    const __m256 s0 = _mm256_broadcast_ss(scale + 2 * g), s1 = _mm256_broadcast_ss(scale + 2 * g + 1);
+    for (int j = 0; j < MT; ++j) {
+      const float* xj = x + j * K + 32 * g;
+      __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
+      t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xj + 8), t0);
+      __m256 t1 = _mm256_mul_ps(q[2], _mm256_loadu_ps(xj + 16));
+      t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xj + 24), t1);
+      acc[j][g & 1] = _mm256_fmadd_ps(s0, t0, acc[j][g & 1]);
+      acc[j][g & 1] = _mm256_fmadd_ps(s1, t1, acc[j][g & 1]);
+    }
+  }
+}
+
+// Output row n (one weight row) for activation rows [m, m + MT): each block is decoded once and
+// used by all MT rows. xsum[m][g] = sum of x[m] over group g.
+template <class Q, int MT>
+inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t N,
+                    int64_t n, int64_t m, float* out) {
+  const int64_t num_blocks = K / Q::kWeights, G = K / 32;
+  __m256 acc[MT][2], off_v[MT];
+  float off[MT];
+  for (int j = 0; j < MT; ++j) {
+    acc[j][0] = acc[j][1] = off_v[j] = _mm256_setzero_ps();
+    off[j] = 0.0f;
+  }
+  const float* xm = x + m * K;
+  const float* xsm = xsum + m * G;
+  for (int64_t bi = 0; bi < num_blocks; ++bi) {
+    const uint8_t* b = w + bi * Q::kBytes;
+    const int64_t k = bi * Q::kWeights;
+    for (int line = 0; line < Q::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b + 8 * Q::kBytes + line), _MM_HINT_T0);
+    if constexpr (std::is_same_v<Q, Q4_K>) {
+      q4k_block<MT>(b, xm + k, xsm + k / 32, K, G, acc, off_v);
+    } else if constexpr (std::is_same_v<Q, Q6_K>) {
+      q6k_block<MT>(b, xm + k, K, acc);
+    } else if constexpr (std::is_same_v<Q, Q6_K8>) {
+      q6k8_block<MT>(b, xm + k, K, acc);
+    } else {
+      small_block<Q, MT>(b, xm + k, xsm + k / 32, K, G, static_cast<int>(bi & 1), acc, off);
+    }
+  }
+  for (int j = 0; j < MT; ++j) {
+    const float total = horizontal_sum(_mm256_add_ps(acc[j][0], acc[j][1]));
+    out[(m + j) * N + n] = total - off[j] - horizontal_sum(off_v[j]);
+  }
+}
+
+constexpr int64_t kMaxTile = 4;  // activation rows per pass over a weight row
+
+template <class Q>
+void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
+                 int64_t M, int64_t K, int64_t N, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
+        const int64_t mt = (left + tiles - 1) / tiles;  // as even as possible
+        switch (mt) {
+          case 4: dot_row<Q, 4>(row, x, xsum, K, N, n, m, out); break;
+          case 3: dot_row<Q, 3>(row, x, xsum, K, N, n, m, out); break;
+          case 2: dot_row<Q, 2>(row, x, xsum, K, N, n, m, out); break;
+          default: dot_row<Q, 1>(row, x, xsum, K, N, n, m, out); break;
+        }
+        m += mt;
+      }
+    }
+  });
+}
+
+template <class F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case 2: f(Q4_0{}); break;
+    case 3: f(Q4_1{}); break;
+    case 6: f(Q5_0{}); break;
+    case 8: f(Q8_0{}); break;
+    case 12: f(Q4_K{}); break;
+    case 14: f(Q6_K{}); break;
+    case kQ6_K8: f(Q6_K8{}); break;
+    default: TORCH_CHECK(false, "quantised linear: unsupported GGML type ", qtype);
+  }
+}
+
+template <class Q>
+void check_blocks(const torch::Tensor& blocks, int64_t K) {
+  TORCH_CHECK(K % Q::kWeights == 0, "quantised weight: ", K, " columns are not a multiple of ",
+              Q::kWeights);
+  TORCH_CHECK(blocks.size(1) == K / Q::kWeights * Q::kBytes, "quantised weight: rows of ",
+              blocks.size(1), " bytes, expected ", K / Q::kWeights * Q::kBytes, " for ", K,
+              " columns");
+}
+
+void check_tensor(const torch::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+              "quantised weight: a CPU uint8 tensor [rows, bytes per row] expected");
+  TORCH_CHECK(blocks.stride(1) == 1, "quantised weight: rows must be contiguous");
+}
+
+}  // namespace
+
+// blocks [N, bytes per row] uint8 of GGML type qtype, K columns -> float32 [N, K].
+torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K) {
+  check_tensor(blocks);
+  auto out = torch::empty({blocks.size(0), K}, torch::dtype(torch::kFloat32));
+  dispatch(qtype, [&](auto q) {
+    using Q = decltype(q);
+    check_blocks<Q>(blocks, K);
+    dequantize_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), blocks.size(0), K,
+                       out.data_ptr<float>());
+  });
+  return out;
+}
+
+// x [M, K] (any float dtype) @ dequantize(blocks).T -> float32 [M, N].
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype) {
+  check_tensor(blocks);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear: x [M, K] on the CPU expected");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % 32 == 0, "quant_linear: K must be a multiple of 32");
+  auto out = torch::empty({M, N}, xf.options());
+  // Per activation row, the sum of each group of 32: what the formats' offsets multiply.
+  const auto xsum = xf.view({M, K / 32, 32}).sum(-1).contiguous();
+  dispatch(qtype, [&](auto q) {
+    using Q = decltype(q);
+    check_blocks<Q>(blocks, K);
+    linear_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xf.data_ptr<float>(),
+                   xsum.data_ptr<float>(), M, K, N, out.data_ptr<float>());
+  });
+  return out;
+}
+
+// Q6_K blocks [N, K / 256 * 210] -> the same weights as Q6_K8 blocks [N, K / 256 * 274].
+torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K) {
+  check_tensor(blocks);
+  check_blocks<Q6_K>(blocks, K);
+  const int64_t N = blocks.size(0), num_blocks = K / 256;
+  auto out = torch::empty({N, num_blocks * Q6_K8::kBytes}, torch::dtype(torch::kUInt8));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t src_stride = blocks.stride(0);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t bi = 0; bi < num_blocks; ++bi) {
+        const uint8_t* b = src + r * src_stride + bi * Q6_K::kBytes;
+        uint8_t* o = dst + (r * num_blocks + bi) * Q6_K8::kBytes;
+        for (int g = 0; g < 8; ++g) {  // the layout Q6_K::group decodes
+          const int half = g / 4, t = g % 4;
+          const uint8_t* ql = b + 64 * half + 32 * (t & 1);
+          const uint8_t* qh = b + 128 + 32 * half;
+          for (int l = 0; l < 32; ++l) {
+            const int low = (t >> 1) ? (ql[l] >> 4) : (ql[l] & 15);
+            const int high = (qh[l] >> (2 * t)) & 3;
+            o[32 * g + l] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
+          }
+        }
+        std::memcpy(o + 256, b + 192, 16);  // scales
+        std::memcpy(o + 272, b + 208, 2);   // d
+      }
+    }
+  });
+  return out;
+}
+
+// Q5_0 blocks [N, K / 32 * 22] -> the same weights as Q8_0 blocks [N, K / 32 * 34]: the value
+// d * (q - 16) is d times the int8 q - 16, which is what Q8_0 stores.
+torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K) {
+  check_tensor(blocks);
+  check_blocks<Q5_0>(blocks, K);
+  const int64_t N = blocks.size(0), num_blocks = K / 32;
+  auto out = torch::empty({N, num_blocks * Q8_0::kBytes}, torch::dtype(torch::kUInt8));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t src_stride = blocks.stride(0);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t bi = 0; bi < num_blocks; ++bi) {
+        const uint8_t* b = src + r * src_stride + bi * Q5_0::kBytes;
+        uint8_t* o = dst + (r * num_blocks + bi) * Q8_0::kBytes;
+        uint32_t qh;
+        std::memcpy(&qh, b + 2, sizeof(qh));
+        std::memcpy(o, b, 2);  // d
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
+          const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+          o[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(lo - 16));
+          o[2 + 16 + j] = static_cast<uint8_t>(static_cast<int8_t>(hi - 16));
+        }
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,114 @@
+"""The GGUF block kernels (engine/kernels/cpu_quant.cpp): `dequantize` gives the gguf package's
+values bit for bit in every format the engine serves, and both linear routes multiply by exactly
+those weights (float32 results within summation-order rounding of a float64 product)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from engine import kernels
+from engine.models.gguf import QUANT_FORMATS
+from tests.gguf_models import Q, random_blocks
+
+pytestmark = pytest.mark.skipif(
+    kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
+)
+
+FORMATS = [Q(qtype) for qtype in QUANT_FORMATS]
+
+
+@pytest.fixture(scope="module")
+def module():
+    built = kernels.cpu_kernels()
+    assert built is not None
+    return built
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_dequantize_equals_the_gguf_package_bit_for_bit(module, qtype):
+    blocks = random_blocks(np.random.default_rng(int(qtype)), qtype, 37, 512)
+    ours = module.dequantize(torch.from_numpy(blocks), int(qtype), 512)
+    reference = torch.from_numpy(dequantize(blocks, qtype).reshape(37, 512))
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17])
+def test_linear_multiplies_by_the_dequantised_weight(module, qtype, rows):
+    rng = np.random.default_rng(rows)
+    blocks = torch.from_numpy(random_blocks(rng, qtype, 70, 768))
+    weight = torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(70, 768)).double()
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ weight.t()
+    tolerance = 1e-5 * (x.double().abs() @ weight.abs().t()).max().item()
+    for route, fn in kernels.QUANT_ROUTES.items():
+        out = fn(x, blocks, int(qtype))
+        assert out.shape == (rows, 70) and out.dtype == torch.float32, route
+        assert (out.double() - expected).abs().max().item() < tolerance, route
+    # bfloat16 activations are read as float32.
+    out = module.quant_linear(x.bfloat16(), blocks, int(qtype))
+    assert torch.allclose(out.double(), x.bfloat16().double() @ weight.t(), atol=tolerance)
+
+
+def test_a_row_is_computed_alike_whatever_the_batch(module):
+    # Each output is summed in one order however many activation rows share the pass, so a
+    # verify step's row equals the decode step's for the same input.
+    blocks = torch.from_numpy(random_blocks(np.random.default_rng(3), Q.Q4_K, 64, 512))
+    x = torch.randn(7, 512)
+    together = module.quant_linear(x, blocks, int(Q.Q4_K))
+    for i in range(7):
+        assert torch.equal(module.quant_linear(x[i : i + 1], blocks, int(Q.Q4_K))[0], together[i])
+
+
+def test_the_kernels_refuse_what_they_cannot_compute(module):
+    blocks = torch.from_numpy(random_blocks(np.random.default_rng(0), Q.Q4_K, 4, 256))
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        module.dequantize(blocks, 13, 256)  # Q5_K
+    with pytest.raises(RuntimeError, match="bytes"):
+        module.dequantize(blocks, int(Q.Q4_K), 512)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        module.quant_linear(torch.randn(1, 96), blocks[:, :54], int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="uint8"):
+        module.dequantize(blocks.float(), int(Q.Q4_K), 256)
+
+
+def test_the_route_is_measured_once_and_chosen_by_rows(monkeypatch):
+    kernels.cpu_kernels()
+    monkeypatch.delitem(kernels._loaded, "quant_routes", raising=False)
+    timed: list[int] = []
+
+    def measure(blocks, qtype, columns, rows):
+        timed.append(rows)
+        return "ours" if rows <= 64 else "dequantised chunks"
+
+    monkeypatch.setattr(kernels, "_measure_quant_routes", measure)
+    big = torch.from_numpy(random_blocks(np.random.default_rng(1), Q.Q8_0, 1024, 64))
+    assert kernels.quant_route(big, int(Q.Q8_0), 64, 40) == "ours"
+    assert kernels.quant_route(big, int(Q.Q8_0), 64, 200) == "dequantised chunks"
+    assert timed == list(kernels._QUANT_PROBE_ROWS)  # timed once, at every probe
+    out = kernels.quant_linear(torch.randn(40, 64), big, int(Q.Q8_0))
+    assert out.shape == (40, 1024)
+    # Decode and verify steps never ask: the kernel computes their rows alike in any batch.
+    kernels.quant_linear(torch.randn(kernels.ALWAYS_ROWS, 64), big, int(Q.Q8_0))
+    assert len(timed) == len(kernels._QUANT_PROBE_ROWS)
+
+
+@pytest.mark.parametrize(("source", "layout"), [(Q.Q6_K, 1014), (Q.Q5_0, int(Q.Q8_0))])
+def test_repacked_layouts_hold_the_same_weights(module, source, layout):
+    from engine.models.gguf import QuantTensor, serving_layout
+
+    blocks = random_blocks(np.random.default_rng(9), source, 33, 512)
+    served = serving_layout(QuantTensor(torch.from_numpy(blocks), int(source), 512))
+    assert served.qtype == layout and served.format == source.name
+    reference = torch.from_numpy(dequantize(blocks, source).reshape(33, 512))
+    assert torch.equal(served.dequantize(), reference)
+    x = torch.randn(3, 512)
+    expected = x.double() @ reference.double().t()
+    tolerance = 1e-5 * (x.double().abs() @ reference.double().abs().t()).max().item()
+    for fn in kernels.QUANT_ROUTES.values():
+        out = fn(x, served.blocks, served.qtype)
+        assert (out.double() - expected).abs().max().item() < tolerance
