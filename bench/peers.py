@@ -1,7 +1,8 @@
 """specserve against llama.cpp's server and vLLM-CPU: the same weights, the same streaming client,
 one server at a time with nothing else running.
 
-Engines (--engines, one column each): specserve (bf16), vllm-cpu (bf16, the Hugging Face
+Engines (--engines, one column each): specserve (dense bf16 weights), specserve-gguf (the
+shipped GGUF's own Q4_K_M blocks, --quantization gguf), vllm-cpu (bf16, the Hugging Face
 directory specserve converted the bundled model into), llama.cpp-bf16 (the shipped GGUF
 requantised to BF16: the same values as specserve's bf16 weights) and llama.cpp-q4_k_m (the
 shipped GGUF). bench/peers_setup.py installs the peers under --peers-dir on first use.
@@ -19,7 +20,7 @@ Servers' logs: --peers-dir/logs/.
 Prints a markdown table and the ratios specserve / each peer; writes --out (JSON, with the
 machine and the versions). A run of a subset of the engines replaces only their entries there.
 
-    python bench/peers.py [--engines specserve,vllm-cpu,llama.cpp-bf16,llama.cpp-q4_k_m]
+    python bench/peers.py [--engines specserve,specserve-gguf,vllm-cpu,llama.cpp-bf16,...]
         [--peers-dir ~/.cache/specserve/peers] [--llama-cpp-src DIR] [--max-tokens 128]
     python bench/peers.py --smoke     # specserve on SmolLM2-135M, a few tokens: ~90 s
 """
@@ -458,7 +459,8 @@ def _ratio(ours: Value, theirs: Value) -> str:
 
 
 def format_report(engines: dict[str, Any], concurrency: Sequence[int]) -> str:
-    """The figures, one column per engine in setup.ENGINES order, then specserve / each peer."""
+    """The figures, one column per engine in setup.ENGINES order, then each of specserve's
+    columns (bf16, GGUF) / each peer."""
     names = [n for n in setup.ENGINES if n in engines]
     columns = {n: table_rows(engines[n]["servers"], concurrency) for n in names}
     labels = [label for label, _, _ in columns[names[0]]] if names else []
@@ -467,17 +469,21 @@ def format_report(engines: dict[str, Any], concurrency: Sequence[int]) -> str:
     for i, label in enumerate(labels):
         cells = [_fmt(columns[n][i][1], columns[n][i][2]) for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    peers = [n for n in names if n != "specserve"]
-    if "specserve" in columns and peers:
+    peers = [n for n in names if not n.startswith("specserve")]
+    ours_names = [n for n in names if n.startswith("specserve")]
+    for our in ours_names if peers else ():
         lines += [
             "",
-            "| specserve / peer | " + " | ".join(setup.ENGINES[n].label for n in peers) + " |",
+            f"| {setup.ENGINES[our].label} / peer | "
+            + " | ".join(setup.ENGINES[n].label for n in peers)
+            + " |",
         ]
         lines.append("|---|" + "---:|" * len(peers))
         for i, label in enumerate(labels):
-            ours = columns["specserve"][i][1]
+            ours = columns[our][i][1]
             cells = [_ratio(ours, columns[n][i][1]) for n in peers]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if ours_names and peers:
         lines.append("")
         lines.append("Ratios above 1 favour specserve, except TTFT and RSS (lower is better).")
     failed = [

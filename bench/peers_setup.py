@@ -352,11 +352,15 @@ class Engine:
     command: Callable[[dict[str, Path | str], str, int, Path, EngineSettings], ServerCommand]
 
 
-def specserve_config_dict(settings: EngineSettings, spec: str) -> dict[str, Any]:
-    """The base YAML config with the target, a 4096-token context (vLLM's here) and one
-    speculation method (none: no draft model loaded)."""
+def specserve_config_dict(
+    settings: EngineSettings, spec: str, quantization: str = "none"
+) -> dict[str, Any]:
+    """The base YAML config with the target, a 4096-token context (vLLM's here), the weight
+    format (none: dense bfloat16, the peers' bf16 values; gguf: the bundled files' own blocks,
+    llama.cpp Q4_K_M's) and one speculation method (none: no draft model loaded)."""
     base = yaml.safe_load((ROOT / settings.specserve_config).read_text())
     engine = {**base.get("engine", {}), "model": settings.target, "dtype": "bfloat16"}
+    engine["quantization"] = quantization
     engine["max_model_len"] = 4096
     engine["max_num_seqs"] = max(int(engine.get("max_num_seqs", 16)), settings.max_num_seqs)
     engine.pop("speculative_config", None)
@@ -383,14 +387,19 @@ def _prepare_specserve(settings: EngineSettings) -> dict[str, Path | str]:
     }
 
 
-def _specserve_command(
-    assets: dict[str, Path | str], spec: str, port: int, work: Path, settings: EngineSettings
-) -> ServerCommand:
-    config_path = work / f"specserve-{spec}.yaml"
-    config_path.write_text(yaml.safe_dump(specserve_config_dict(settings, spec)))
-    argv = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
-    argv += ["--port", str(port), "--log-level", "warning"]
-    return ServerCommand(tuple(argv), {})
+def _specserve_command(quantization: str) -> Callable[..., ServerCommand]:
+    def command(
+        assets: dict[str, Path | str], spec: str, port: int, work: Path, settings: EngineSettings
+    ) -> ServerCommand:
+        name = "specserve" if quantization == "none" else f"specserve-{quantization}"
+        config_path = work / f"{name}-{spec}.yaml"
+        config = specserve_config_dict(settings, spec, quantization)
+        config_path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
+        argv += ["--port", str(port), "--log-level", "warning"]
+        return ServerCommand(tuple(argv), {})
+
+    return command
 
 
 def _prepare_vllm(settings: EngineSettings) -> dict[str, Path | str]:
@@ -437,7 +446,8 @@ def _llama_cpp_command(
 
 
 ENGINES: dict[str, Engine] = {
-    "specserve": Engine("specserve", _prepare_specserve, _specserve_command),
+    "specserve": Engine("specserve", _prepare_specserve, _specserve_command("none")),
+    "specserve-gguf": Engine("specserve GGUF", _prepare_specserve, _specserve_command("gguf")),
     "vllm-cpu": Engine("vLLM-CPU", _prepare_vllm, _vllm_command),
     "llama.cpp-bf16": Engine("llama.cpp bf16", _prepare_llama_cpp("bf16"), _llama_cpp_command),
     "llama.cpp-q4_k_m": Engine(

@@ -19,6 +19,8 @@ from engine.spec.config import SpeculativeConfig
 from engine.tokenizer import config_eos_token_ids
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Quantization = Literal["auto", "none", "gguf"]
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -51,6 +53,11 @@ class EngineConfig:
 
     model: str
     dtype: Dtype = "auto"
+    # "gguf": the linears of a model converted from a GGUF file multiply by the file's own blocks
+    # (CPU; engine.models.gguf); "none": dense weights in `dtype`; "auto": gguf where it can be
+    # served (a GGUF model on the CPU with the CPU kernels), else none. Activations and the KV
+    # cache are in `dtype` either way.
+    quantization: Quantization = "auto"
     device: str = "auto"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -78,6 +85,11 @@ class EngineConfig:
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(
                 f"dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}."
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                f"got {self.quantization!r}."
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -107,6 +119,11 @@ class EngineConfig:
             device_type = torch.device(device).type
         except RuntimeError:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}.") from None
+        if self.quantization == "gguf" and device_type != "cpu":
+            raise ValueError(
+                f"quantization gguf runs on the CPU only (device is {device}); use "
+                "quantization none or auto on a GPU."
+            )
         backend = resolve_attention_backend(
             self.attention_backend, device_type, self._explicit_dtypes(), self.block_size
         )

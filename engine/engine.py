@@ -101,6 +101,11 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.metrics = EngineMetrics()
 
+    @property
+    def quantization(self) -> str:
+        """The target's weight format: "none" (dense) or "gguf (Q4_K + Q6_K)"."""
+        return self.runner.quantization
+
     # ----------------------------------------------------------------------------- requests
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:

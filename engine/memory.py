@@ -188,7 +188,7 @@ def plan_for(
 
 def log_memory(plan: KVPlan, runners: Sequence[ModelRunner], block_size: int) -> None:
     """One start-up line: each model's weights and KV, the blocks, and the budget's source."""
-    weights = " + ".join(f"{r.name} {_gib(r.weight_bytes)}" for r in runners)
+    weights = " + ".join(f"{r.name} {_gib(r.weight_bytes)} ({r.weight_format})" for r in runners)
     kv = " + ".join(f"{r.name} {_gib(r.kv_bytes_per_block * plan.num_blocks)}" for r in runners)
     logger.info(
         "memory: weights %s; KV %s in %d blocks of %d tokens (attention %s); budget %s from %s",

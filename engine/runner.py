@@ -19,8 +19,9 @@ from engine.attention.base import flatten_step
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.device import Device
+from engine.models.gguf import load_quantized
 from engine.models.llama import ForwardContext, RotaryEmbedding
-from engine.models.loader import load_model
+from engine.models.loader import load_model, quantization_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,16 @@ class ModelRunner:
         self.name = model_config.path.name
         self.dtype = dtype or config.torch_dtype(model_config)
         self.block_size = config.block_size
-        self.model = load_model(model_config, self.dtype, self.device.torch)
+        quantized = load_quantized(
+            model_config.path,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            config.quantization,
+            self.device.torch,
+        )
+        self.model = load_model(model_config, self.dtype, self.device.torch, quantized)
+        # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
+        self.quantization = quantization_of(self.model)
         self.backend = get_attention_backend(config.attention_backend, self.device.torch)
         # Sized for the longest context the engine may allow (max_model_len is settled only
         # after the KV budget), and built before the budget is measured so it counts.
@@ -70,6 +80,12 @@ class ModelRunner:
         self.num_blocks = 0
         # Captured CUDA graphs of small steps, made once the KV exists (None: run eagerly).
         self.graphs: Any = None
+
+    @property
+    def weight_format(self) -> str:
+        """What the linears multiply by: 'gguf (Q4_K + Q6_K)', or the dense dtype."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return dtype if self.quantization == "none" else f"{self.quantization}, {dtype} activations"
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -20,6 +20,7 @@ from server.settings import FIELDS, Settings, add_settings_flags, load_settings
 _ENGINE_FIELDS = (
     "model",
     "dtype",
+    "quantization",
     "device",
     "attention_backend",
     "max_num_seqs",

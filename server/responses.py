@@ -244,6 +244,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    # specserve's own: the weights' format, "none" (dense) or "gguf (Q4_K + Q6_K)".
+    quantization: str | None = None
 
 
 class ModelList(BaseModel):

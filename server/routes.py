@@ -107,14 +107,16 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    return _json(ModelList(data=[_model_card(request)]))
+    body = ModelList(data=[_model_card(request)]).model_dump_json(exclude_none=True)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> Response:
     if model_id != request.app.state.settings.model_name:
         raise model_not_found(model_id)
-    return _json(_model_card(request))
+    body = _model_card(request).model_dump_json(exclude_none=True)
+    return Response(body, media_type="application/json")
 
 
 @router.post("/v1/chat/completions")
@@ -263,7 +265,9 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 def _model_card(request: Request) -> ModelCard:
     state = request.app.state
-    return ModelCard(id=state.settings.model_name, created=state.created)
+    engine = state.async_engine
+    quantization = getattr(engine.engine, "quantization", None) if engine is not None else None
+    return ModelCard(id=state.settings.model_name, created=state.created, quantization=quantization)
 
 
 def _json(body: BaseModel, status: int = 200) -> Response:

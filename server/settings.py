@@ -39,6 +39,7 @@ class Settings(BaseModel):
     model: str
     served_model_name: str | None = None  # None: the model argument
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    quantization: Literal["auto", "none", "gguf"] = "auto"
     device: str = "auto"
     max_num_seqs: Annotated[int, Field(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 256
@@ -119,6 +120,8 @@ _FLAG_HELP = {
     "served_model_name": "the name clients send as `model` (default: --model)",
     "api_key": f"require `Authorization: Bearer KEY` (or set {ENV_PREFIX}API_KEY)",
     "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
+    "quantization": "gguf (multiply by a GGUF model's own quantised blocks; CPU), none (dense "
+    "weights in --dtype) or auto (gguf where it can run, else none)",
     "attention_backend": "auto (flash_attn on CUDA with flash-attn installed, else torch), "
     "torch or flash_attn",
     "block_size": "KV cache page size in tokens (default: the attention backend's, "

@@ -8,6 +8,8 @@ dequantized once through transformers' GGUF loader into bfloat16 and cached.
 Cache layout under `cache_dir`, else $SPECSERVE_CACHE, else ~/.cache/specserve:
     models/<bundled name>/         a converted bundled model
     gguf/<file stem>-<key>/        a converted user GGUF file (key: its path, size and mtime)
+    <dir>/model.gguf               the GGUF file itself (a link to a user's file), whose blocks
+                                   the quantised weight path serves (engine.models.gguf)
     <dir>/.specserve-complete      JSON written last; a directory without it is never used
 A conversion builds in a temporary directory beside its target, under an exclusive file lock, and
 renames it into place, so a crash or a concurrent process never leaves a half-written model behind.
@@ -36,11 +38,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.models.gguf import GGUF_FILE_NAME
+
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = ".specserve-complete"
 # Bump when the conversion output changes, so that older caches are rebuilt.
-CACHE_FORMAT_VERSION = 1
+# 2: the directory keeps the GGUF file as model.gguf (the quantised weight path reads it).
+CACHE_FORMAT_VERSION = 2
 _CHUNK_BYTES = 8 << 20
 
 
@@ -272,6 +277,7 @@ def _resolve_bundled(model: BundledModel, root: Path) -> Path:
         with tempfile.TemporaryDirectory(prefix=f".{model.name}.gguf-", dir=out_dir.parent) as work:
             gguf_path = assemble_gguf(model, Path(work))
             convert_gguf_to_hf(gguf_path, out_dir, eos_token_ids=model.eos_token_ids)
+            _keep_gguf(gguf_path, out_dir, owned=gguf_path.is_relative_to(work))
 
     return _build_once(target, marker, build)
 
@@ -281,7 +287,25 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = root / "gguf" / f"{path.stem}-{key}"
     marker = {"source": str(path)}
-    return _build_once(target, marker, lambda out_dir: convert_gguf_to_hf(path, out_dir))
+
+    def build(out_dir: Path) -> None:
+        convert_gguf_to_hf(path, out_dir)
+        (out_dir / GGUF_FILE_NAME).symlink_to(path)  # the cache key follows the file's mtime
+
+    return _build_once(target, marker, build)
+
+
+def _keep_gguf(gguf_path: Path, out_dir: Path, owned: bool) -> None:
+    """Keep the model's GGUF file in its directory (engine.models.gguf reads its blocks): moved
+    when it was assembled for this conversion, else linked or copied from its package."""
+    dest = out_dir / GGUF_FILE_NAME
+    if owned:
+        gguf_path.rename(dest)
+        return
+    try:
+        os.link(gguf_path, dest)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copyfile(gguf_path, dest)
 
 
 def _is_complete(target: Path, marker: Mapping[str, Any]) -> bool:
@@ -337,7 +361,7 @@ def _make_readable(directory: Path) -> None:
     # mkdtemp and safetensors create owner-only entries; a cache shared with another user (or a
     # container running as another uid) must be readable by it.
     for entry in directory.iterdir():
-        if entry.is_file():
+        if entry.is_file() and not entry.is_symlink():  # a link's target is a user's own file
             entry.chmod(0o644)
     directory.chmod(0o755)
 

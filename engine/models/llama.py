@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import ALWAYS_ROWS, cpu_kernels, prefill_linear
+from engine.kernels import ALWAYS_ROWS, cpu_kernels, prefill_linear, quant_linear
+from engine.models.gguf import QuantTensor
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,84 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is GGUF blocks (engine.models.gguf), multiplied by the CPU
+    kernels in float32 without being expanded. A fused projection may mix formats (Q4_K_M files
+    store some v projections in Q6_K): it keeps one block tensor per run of rows in one format.
+
+    Built on the meta device in place of a `Linear` (only the bias, if any, is a parameter the
+    loader fills); `set_weight` installs the blocks once the model is materialised."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+        )
+        self.qtypes: tuple[int, ...] = ()
+        self.origins: tuple[str, ...] = ()
+
+    def set_weight(self, parts: list[QuantTensor]) -> None:
+        """The weight's rows, in order, as runs of blocks; consecutive runs of one format merge."""
+        assert sum(p.rows for p in parts) == self.out_features
+        assert all(p.columns == self.in_features for p in parts)
+        runs: list[QuantTensor] = []
+        for part in parts:
+            if runs and runs[-1].qtype == part.qtype and runs[-1].origin == part.origin:
+                merged = torch.cat((runs[-1].blocks, part.blocks))
+                runs[-1] = QuantTensor(merged, part.qtype, part.columns, part.origin)
+            else:
+                runs.append(part)
+        for i, run in enumerate(runs):
+            self.register_buffer(f"blocks{i}", run.blocks.contiguous())
+        self.qtypes = tuple(run.qtype for run in runs)
+        self.origins = tuple(run.origin for run in runs)
+
+    @property
+    def parts(self) -> list[QuantTensor]:
+        return [
+            QuantTensor(getattr(self, f"blocks{i}"), qtype, self.in_features, origin)
+            for i, (qtype, origin) in enumerate(zip(self.qtypes, self.origins, strict=True))
+        ]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] it multiplies by (the file's dequantised values)."""
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [quant_linear(x, part.blocks, part.qtype) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(x.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: a lookup dequantises just the rows it needs, and a
+    tied LM head multiplies by the same blocks (`logits`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.qtype, self.origin = 0, ""
+
+    def set_weight(self, weight: QuantTensor) -> None:
+        assert weight.rows == self.num_embeddings and weight.columns == self.embedding_dim
+        self.register_buffer("blocks", weight.blocks.contiguous())
+        self.qtype, self.origin = weight.qtype, weight.origin
+
+    @property
+    def quant_weight(self) -> QuantTensor:
+        return QuantTensor(self.blocks, self.qtype, self.embedding_dim, self.origin)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = QuantTensor(self.blocks[input_ids], self.qtype, self.embedding_dim)
+        return rows.dequantize().to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return quant_linear(hidden, self.blocks, self.qtype).to(hidden.dtype)
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     # Built on the meta device: the loader materialises and fills every parameter.
     return Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
@@ -220,5 +299,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] (model dtype)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        if self.lm_head is not None:
+            if isinstance(self.lm_head, QuantLinear):
+                return self.lm_head(hidden)
+            return linear(hidden, self.lm_head.weight)
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.logits(hidden)
+        return linear(hidden, self.embed_tokens.weight)

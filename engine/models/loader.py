@@ -2,20 +2,26 @@
 
 The model is built on the meta device, materialised empty on the target device, and every
 parameter is then copied from the checkpoint exactly once; a parameter the checkpoint does not
-provide is an error, never a silently random weight.
+provide is an error, never a silently random weight. With GGUF-quantised weights
+(engine.models.gguf) the linears and the embedding they cover are built as `QuantLinear` /
+`QuantEmbedding` before materialising, so their dense weights are never allocated, and take the
+file's blocks; the checkpoint fills the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.gguf import QuantTensor, describe
+from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +69,87 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, tuple[int, int] | None] |
     return name, None
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build `LlamaForCausalLM` for cfg and load its weights from cfg.path."""
+def _quantized_modules(
+    cfg: ModelConfig, quantized: Mapping[str, QuantTensor]
+) -> dict[str, list[tuple[int, QuantTensor]]]:
+    """Our module name -> its weight's (first row, blocks) parts, for every linear or embedding
+    whose whole weight the quantised tensors provide (a fused projection with one dense part
+    stays dense)."""
+    parts: dict[str, list[tuple[int, QuantTensor]]] = {}
+    for name, tensor in quantized.items():
+        target = _target(cfg, name)
+        if target is None:
+            continue
+        ours, rows = target
+        parts.setdefault(ours.removesuffix(".weight"), []).append((rows[0] if rows else 0, tensor))
+    return {
+        module: sorted(found, key=lambda part: part[0])
+        for module, found in parts.items()
+        if sum(t.rows for _, t in found) == _weight_rows(cfg, module)
+    }
+
+
+def _weight_rows(cfg: ModelConfig, module: str) -> int:
+    if module in ("embed_tokens", "lm_head"):
+        return cfg.vocab_size
+    if module.endswith("qkv_proj"):
+        return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    if module.endswith("gate_up_proj"):
+        return 2 * cfg.intermediate_size
+    return cfg.hidden_size  # o_proj, down_proj
+
+
+def _install_quantized(
+    model: LlamaForCausalLM,
+    modules: Mapping[str, list[tuple[int, QuantTensor]]],
+    dtype: torch.dtype,
+) -> None:
+    """Swap each covered module (still on the meta device) for its quantised form."""
+    for name in modules:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype))
+        else:
+            bias = old.bias is not None
+            setattr(parent, attr, QuantLinear(old.in_features, old.out_features, bias, dtype))
+
+
+def load_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantized: Mapping[str, QuantTensor] | None = None,
+) -> LlamaForCausalLM:
+    """Build `LlamaForCausalLM` for cfg and load its weights from cfg.path; the linears and the
+    embedding that `quantized` (checkpoint name -> GGUF blocks) covers whole take those instead."""
     model = LlamaForCausalLM(cfg, dtype)
+    modules = _quantized_modules(cfg, quantized or {})
+    if modules and device.type != "cpu":
+        raise ValueError(f"GGUF-quantised weights run on the CPU only, not on {device}.")
+    _install_quantized(model, modules, dtype)
     model.to_empty(device=device)
+    for name, parts in modules.items():
+        module = model.get_submodule(name)
+        if isinstance(module, QuantEmbedding):
+            module.set_weight(parts[0][1])
+        else:
+            assert isinstance(module, QuantLinear)
+            module.set_weight([tensor for _, tensor in parts])
+    used = {
+        name
+        for name, tensor in (quantized or {}).items()
+        if (target := _target(cfg, name)) is not None
+        and target[0].removesuffix(".weight") in modules
+    }
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     for file in _safetensors_files(cfg.path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 target = _target(cfg, name)
-                if target is None:
+                if target is None or name in used:
                     continue
                 ours, rows = target
                 if ours not in params:
@@ -93,13 +169,28 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     if missing:
         raise ValueError(f"checkpoint {cfg.path} does not provide: {', '.join(missing[:8])}.")
     model.eval()
+    if used:
+        weights = f"GGUF blocks ({describe({n: quantized[n] for n in used})}, {len(used)} tensors)"
+        weights += f" and {dtype} for the rest" if params else ""
+    else:
+        weights = str(dtype)
     logger.info(
-        "loaded %s (%s, %d layers, %.0fM parameters) as %s on %s",
+        "loaded %s (%s, %d layers) with %s on %s",
         cfg.path.name,
         cfg.architecture,
         cfg.num_layers,
-        sum(p.numel() for p in params.values()) / 1e6,
-        dtype,
+        weights,
         device,
     )
     return model
+
+
+def quantization_of(model: nn.Module) -> str:
+    """'gguf (Q4_K + Q6_K)' when some weights are GGUF blocks, else 'none'."""
+    formats: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            formats.update(part.format for part in module.parts)
+        elif isinstance(module, QuantEmbedding):
+            formats.add(module.quant_weight.format)
+    return f"gguf ({' + '.join(sorted(formats))})" if formats else "none"

@@ -162,6 +162,7 @@ def test_public_endpoints(server, schemas):
         assert http.get("/version").json()["version"]
         models = assert_valid(schemas, "ListModelsResponse", http.get("/v1/models").json())
         assert [m["id"] for m in models["data"]] == [MODEL]
+        assert models["data"][0]["quantization"] == "none"  # a dense checkpoint: no GGUF file
         assert assert_valid(schemas, "Model", http.get(f"/v1/models/{MODEL}").json())["id"] == MODEL
         missing = http.get("/v1/models/other")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -24,7 +24,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(MODEL, dtype="bfloat16", max_model_len=2048)
+    return LLM(MODEL, dtype="bfloat16", max_model_len=2048, quantization="none")
 
 
 def test_chat_answers_the_question(llm):
@@ -48,7 +48,7 @@ def test_stop_string_on_real_text(llm):
 def test_float32_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(MODEL, dtype="float32", max_model_len=1024, num_kv_blocks=256)
+    llm = LLM(MODEL, dtype="float32", max_model_len=1024, num_kv_blocks=256, quantization="none")
     tokenizer = llm.get_tokenizer()
     prompts = [
         "The three primary colors are",
@@ -64,6 +64,43 @@ def test_float32_greedy_matches_transformers():
         with torch.no_grad():
             ref = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
+
+
+def test_gguf_blocks_float32_greedy_matches_transformers_on_the_file():
+    """The file's own Q4_1/Q8_0 blocks, served by our kernels, against transformers running the
+    same GGUF file dequantised to float32: token for token (a divergence only at a near-tie)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.gguf import GGUF_FILE_NAME
+
+    llm = LLM(MODEL, dtype="float32", max_model_len=1024, num_kv_blocks=256, quantization="gguf")
+    assert llm.engine.quantization == "gguf (Q4_1 + Q8_0)"
+    tokenizer = llm.get_tokenizer()
+    path = llm.engine.model_config.path
+    model = AutoModelForCausalLM.from_pretrained(
+        path, gguf_file=GGUF_FILE_NAME, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None
+    prompts = ["The three primary colors are", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        expected, got = ref[0, ids.shape[1] :].tolist(), out.outputs[0].token_ids
+        if got != expected:  # then only where the reference's top two logits (nearly) tie
+            i = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+            with torch.no_grad():
+                logits = model(torch.tensor([ids[0].tolist() + expected[:i]])).logits[0, -1]
+            top = logits.topk(2).values
+            assert float(top[0] - top[1]) < 1e-3, (prompt, got, expected)
+
+
+def test_gguf_blocks_answer_the_question():
+    llm = LLM(MODEL, dtype="bfloat16", max_model_len=2048)  # auto: the file's blocks
+    assert llm.engine.quantization.startswith("gguf")
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
 
 
 def test_ngram_speculation_on_real_text_is_lossless():

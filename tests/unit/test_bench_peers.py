@@ -312,6 +312,11 @@ def test_specserve_command_and_config(tmp_path):
     config = yaml.safe_load((tmp_path / "specserve-draft_model.yaml").read_text())
     engine = config["engine"]
     assert engine["model"] == "qwen2.5-coder-1.5b-instruct" and engine["dtype"] == "bfloat16"
+    assert engine["quantization"] == "none"  # bf16 weights, the same values as the bf16 peers
+    gguf = S.ENGINES["specserve-gguf"].command({}, "off", 8126, tmp_path, settings)
+    gguf_config = yaml.safe_load((tmp_path / "specserve-gguf-off.yaml").read_text())
+    assert gguf.argv[5] == str(tmp_path / "specserve-gguf-off.yaml")
+    assert gguf_config["engine"]["quantization"] == "gguf"
     assert engine["max_model_len"] == 4096 and engine["max_num_seqs"] == 32
     assert engine["kv_cache_memory"] == 2 << 30  # configs/default.yaml's, kept
     assert engine["speculative_config"] == {
@@ -337,7 +342,13 @@ def test_specserve_command_and_config(tmp_path):
 
 
 def test_engine_registry_and_paths(tmp_path):
-    assert list(S.ENGINES) == ["specserve", "vllm-cpu", "llama.cpp-bf16", "llama.cpp-q4_k_m"]
+    assert list(S.ENGINES) == [
+        "specserve",
+        "specserve-gguf",
+        "vllm-cpu",
+        "llama.cpp-bf16",
+        "llama.cpp-q4_k_m",
+    ]
     paths = S.PeerPaths(tmp_path)
     assert paths.gguf("qwen", "bf16") == tmp_path / "gguf" / "qwen-bf16.gguf"
     assert paths.vllm_python == tmp_path / "vllm-venv" / "bin" / "python"

@@ -825,11 +825,19 @@ def test_streams_send_spec_stats_with_the_finish_reason(validators, byte_level, 
 
 
 def test_models_and_errors_match_spec(validators):
-    models_body = ModelList(data=[ModelCard(id="tiny", created=1)])
-    body = _check(validators["ListModelsResponse"], models_body)
+    card = ModelCard(id="tiny", created=1, quantization="gguf (Q4_K + Q6_K)")
+    body = _check(validators["ListModelsResponse"], ModelList(data=[card]))
     assert body == {
         "object": "list",
-        "data": [{"id": "tiny", "object": "model", "created": 1, "owned_by": "specserve"}],
+        "data": [
+            {
+                "id": "tiny",
+                "object": "model",
+                "created": 1,
+                "owned_by": "specserve",
+                "quantization": "gguf (Q4_K + Q6_K)",  # ours, beside the spec's fields
+            }
+        ],
     }
     for err in (
         errors.invalid_request("bad", "n"),
