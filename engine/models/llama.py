@@ -17,7 +17,14 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import ALWAYS_ROWS, cpu_kernels, prefill_linear, quant_linear
+from engine.kernels import (
+    ALWAYS_ROWS,
+    cpu_kernels,
+    prefill_linear,
+    prefill_route,
+    quant_linear,
+    quant_route,
+)
 from engine.models.gguf import QuantTensor
 
 
@@ -306,3 +313,19 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.logits(hidden)
         return linear(hidden, self.embed_tokens.weight)
+
+
+def choose_cpu_routes(model: nn.Module) -> None:
+    """Time the CPU prefill routes (`prefill_route`, `quant_route`) now, while the engine starts,
+    instead of inside the first request's prefill, where they would add to its time to first
+    token. Each is timed once per process, on the weight the first prefill would ask about."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            big = [part for part in module.parts if part.rows >= 1024]
+            if big:
+                quant_route(big[0].blocks, big[0].qtype, big[0].columns, 2 * ALWAYS_ROWS)
+                break
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+            prefill_route(module.weight, 2 * ALWAYS_ROWS)
+            break
