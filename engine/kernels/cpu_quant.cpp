@@ -372,7 +372,7 @@ inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t
   }
 }
 
-constexpr int64_t kMaxTile = 4;  // activation rows per pass over a weight row
+constexpr int64_t kMaxTile = 8;  // activation rows per pass over a weight row (8 measured ahead of 4 at 8 rows)
 
 template <class Q>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
@@ -385,6 +385,10 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const floa
         const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
         const int64_t mt = (left + tiles - 1) / tiles;  // as even as possible
         switch (mt) {
+          case 8: dot_row<Q, 8>(row, x, xsum, K, N, n, m, out); break;
+          case 7: dot_row<Q, 7>(row, x, xsum, K, N, n, m, out); break;
+          case 6: dot_row<Q, 6>(row, x, xsum, K, N, n, m, out); break;
+          case 5: dot_row<Q, 5>(row, x, xsum, K, N, n, m, out); break;
           case 4: dot_row<Q, 4>(row, x, xsum, K, N, n, m, out); break;
           case 3: dot_row<Q, 3>(row, x, xsum, K, N, n, m, out); break;
           case 2: dot_row<Q, 2>(row, x, xsum, K, N, n, m, out); break;
