@@ -168,20 +168,20 @@ def prefill_route(weight: torch.Tensor, rows: int) -> str:
 
 def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device="cpu")
-    routes = dict(PREFILL_ROUTES)
-    if cpu_kernels() is None:
-        del routes["ours"]
-    seconds = {
-        name: _best_seconds(lambda fn=fn: fn(x, weight, None)) for name, fn in routes.items()
+    routes = {
+        name: lambda fn=fn: fn(x, weight, None)
+        for name, fn in PREFILL_ROUTES.items()
+        if name != "ours" or cpu_kernels() is not None
     }
+    return _fastest(routes, f"bfloat16 linear over {rows} rows, {'x'.join(map(str, weight.shape))}")
+
+
+def _fastest(routes: dict[str, Any], what: str) -> str:
+    """The name of the fastest of `routes` (name -> a call to time), logged with every time."""
+    seconds = {name: _best_seconds(fn) for name, fn in routes.items()}
     best = min(seconds, key=seconds.__getitem__)
-    logger.info(
-        "bfloat16 linear over %d rows, %s: %s -> %s",
-        rows,
-        "x".join(map(str, weight.shape)),
-        ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()),
-        best,
-    )
+    timings = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items())
+    logger.info("%s: %s -> %s", what, timings, best)
     return best
 
 
@@ -253,16 +253,5 @@ def quant_route(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> st
 
 def _measure_quant_routes(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
     x = torch.randn(rows, columns, device="cpu")
-    seconds = {
-        name: _best_seconds(lambda fn=fn: fn(x, blocks, qtype)) for name, fn in QUANT_ROUTES.items()
-    }
-    best = min(seconds, key=seconds.__getitem__)
-    logger.info(
-        "quantised linear over %d rows, %dx%d: %s -> %s",
-        rows,
-        blocks.shape[0],
-        columns,
-        ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()),
-        best,
-    )
-    return best
+    routes = {name: lambda fn=fn: fn(x, blocks, qtype) for name, fn in QUANT_ROUTES.items()}
+    return _fastest(routes, f"quantised linear over {rows} rows, {blocks.shape[0]}x{columns}")

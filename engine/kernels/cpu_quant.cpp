@@ -191,6 +191,32 @@ constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
 
 // ---------------------------------------------------------------------------- dequantize
 
+// Q4_K's 256 weights of block b into o, as `Group` would give them but with the block's scales
+// and offsets unpacked once: s * q - m, rounded after the multiply and after the subtraction.
+inline void q4k_dequantize(const uint8_t* b, float* o) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, sizeof(u));
+  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
+  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
+                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
+  alignas(32) float scale[8], offset[8];
+  const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
+  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
+  _mm256_store_ps(offset, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn)))));
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int c = 0; c < 4; ++c) {
+    const __m256 s_lo = _mm256_set1_ps(scale[2 * c]), s_hi = _mm256_set1_ps(scale[2 * c + 1]);
+    const __m256 m_lo = _mm256_set1_ps(offset[2 * c]), m_hi = _mm256_set1_ps(offset[2 * c + 1]);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = bytes8_u32(b + 16 + 32 * c + 8 * i);
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      _mm256_storeu_ps(o + 64 * c + 8 * i, _mm256_sub_ps(_mm256_mul_ps(s_lo, lo), m_lo));
+      _mm256_storeu_ps(o + 64 * c + 32 + 8 * i, _mm256_sub_ps(_mm256_mul_ps(s_hi, hi), m_hi));
+    }
+  }
+}
+
 template <class Q>
 void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int64_t K, float* out) {
   const int64_t num_blocks = K / Q::kWeights;
@@ -198,6 +224,10 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t bi = 0; bi < num_blocks; ++bi) {
         const uint8_t* b = blocks + r * row_bytes + bi * Q::kBytes;
+        if constexpr (std::is_same_v<Q, Q4_K>) {
+          q4k_dequantize(b, out + r * K + bi * Q::kWeights);
+          continue;
+        }
         for (int g = 0; g < Q::kWeights / 32; ++g) {
           Group grp;
           Q::group(b, g, grp);
@@ -463,64 +493,59 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype)
   return out;
 }
 
-// Q6_K blocks [N, K / 256 * 210] -> the same weights as Q6_K8 blocks [N, K / 256 * 274].
-torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K) {
+namespace {
+
+// Every block of `blocks` (format From, K columns) rewritten as a block of format To by
+// convert(from_block, to_block).
+template <class From, class To, class F>
+torch::Tensor repack(const torch::Tensor& blocks, int64_t K, F&& convert) {
   check_tensor(blocks);
-  check_blocks<Q6_K>(blocks, K);
-  const int64_t N = blocks.size(0), num_blocks = K / 256;
-  auto out = torch::empty({N, num_blocks * Q6_K8::kBytes}, torch::dtype(torch::kUInt8));
+  check_blocks<From>(blocks, K);
+  const int64_t N = blocks.size(0), num_blocks = K / From::kWeights;
+  torch::Tensor out = torch::empty({N, num_blocks * To::kBytes}, torch::dtype(torch::kUInt8));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t src_stride = blocks.stride(0);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t bi = 0; bi < num_blocks; ++bi) {
-        const uint8_t* b = src + r * src_stride + bi * Q6_K::kBytes;
-        uint8_t* o = dst + (r * num_blocks + bi) * Q6_K8::kBytes;
-        for (int g = 0; g < 8; ++g) {  // the layout Q6_K::group decodes
-          const int half = g / 4, t = g % 4;
-          const uint8_t* ql = b + 64 * half + 32 * (t & 1);
-          const uint8_t* qh = b + 128 + 32 * half;
-          for (int l = 0; l < 32; ++l) {
-            const int low = (t >> 1) ? (ql[l] >> 4) : (ql[l] & 15);
-            const int high = (qh[l] >> (2 * t)) & 3;
-            o[32 * g + l] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
-          }
-        }
-        std::memcpy(o + 256, b + 192, 16);  // scales
-        std::memcpy(o + 272, b + 208, 2);   // d
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t bi = 0; bi < num_blocks; ++bi)
+        convert(src + r * src_stride + bi * From::kBytes, dst + (r * num_blocks + bi) * To::kBytes);
   });
   return out;
+}
+
+}  // namespace
+
+// Q6_K blocks [N, K / 256 * 210] -> the same weights as Q6_K8 blocks [N, K / 256 * 274].
+torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K) {
+  return repack<Q6_K, Q6_K8>(blocks, K, [](const uint8_t* b, uint8_t* o) {
+    for (int g = 0; g < 8; ++g) {  // the layout Q6_K::group decodes
+      const int half = g / 4, t = g % 4;
+      const uint8_t* ql = b + 64 * half + 32 * (t & 1);
+      const uint8_t* qh = b + 128 + 32 * half;
+      for (int l = 0; l < 32; ++l) {
+        const int low = (t >> 1) ? (ql[l] >> 4) : (ql[l] & 15);
+        const int high = (qh[l] >> (2 * t)) & 3;
+        o[32 * g + l] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
+      }
+    }
+    std::memcpy(o + 256, b + 192, 16);  // scales
+    std::memcpy(o + 272, b + 208, 2);   // d
+  });
 }
 
 // Q5_0 blocks [N, K / 32 * 22] -> the same weights as Q8_0 blocks [N, K / 32 * 34]: the value
 // d * (q - 16) is d times the int8 q - 16, which is what Q8_0 stores.
 torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K) {
-  check_tensor(blocks);
-  check_blocks<Q5_0>(blocks, K);
-  const int64_t N = blocks.size(0), num_blocks = K / 32;
-  auto out = torch::empty({N, num_blocks * Q8_0::kBytes}, torch::dtype(torch::kUInt8));
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t src_stride = blocks.stride(0);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t bi = 0; bi < num_blocks; ++bi) {
-        const uint8_t* b = src + r * src_stride + bi * Q5_0::kBytes;
-        uint8_t* o = dst + (r * num_blocks + bi) * Q8_0::kBytes;
-        uint32_t qh;
-        std::memcpy(&qh, b + 2, sizeof(qh));
-        std::memcpy(o, b, 2);  // d
-        for (int j = 0; j < 16; ++j) {
-          const int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
-          const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-          o[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(lo - 16));
-          o[2 + 16 + j] = static_cast<uint8_t>(static_cast<int8_t>(hi - 16));
-        }
-      }
+  return repack<Q5_0, Q8_0>(blocks, K, [](const uint8_t* b, uint8_t* o) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof(qh));
+    std::memcpy(o, b, 2);  // d
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
+      const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      o[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(lo - 16));
+      o[2 + 16 + j] = static_cast<uint8_t>(static_cast<int8_t>(hi - 16));
     }
   });
-  return out;
 }
