@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant.cpp"))
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
-_lock = threading.Lock()
+# Re-entrant: timing a route may build the kernels (cpu_kernels), which takes it too.
+_lock = threading.RLock()
 _loaded: dict[str, Any] = {}
 
 

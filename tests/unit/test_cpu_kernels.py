@@ -170,3 +170,19 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loaded" in done.stdout
     assert not (build_dir / "lock").exists()
+
+
+def test_timing_the_routes_before_anything_built_the_kernels_does_not_deadlock(monkeypatch):
+    # A dense model's engine times its prefill route at start, possibly before any linear asked
+    # for the kernels: the timing then builds (loads) them under the same lock.
+    import threading
+
+    monkeypatch.setattr(kernels, "_loaded", {})
+    weight = torch.randn(64, 32).bfloat16()
+    done: list[str] = []
+    worker = threading.Thread(
+        target=lambda: done.append(kernels.prefill_route(weight, 64)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=120)
+    assert done and done[0] in kernels.PREFILL_ROUTES
