@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -20,7 +20,7 @@ from engine.tokenizer import config_eos_token_ids
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Quantization = Literal["auto", "none", "gguf"]
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -9,6 +9,7 @@ N(0, 0.08) like the dense tiny models'.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,7 @@ def build_tiny_gguf_model(
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path / "model.safetensors"))
-    config = __import__("json").loads((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path / "model.gguf"), "llama" if arch in ("llama", "mistral") else arch)

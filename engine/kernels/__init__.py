@@ -119,15 +119,29 @@ def f32_chunked_linear(
     rows at a time, the result in x's dtype. The weights are converted once per call, so the
     conversion is amortised over M rows; the GEMM is the BLAS's float32 one, far faster than
     bfloat16 on CPUs without native bfloat16 arithmetic."""
+    return _chunked_float32_gemm(
+        x, weight.shape[0], lambda n0, n1: weight[n0:n1].float(), bias, x.dtype
+    )
+
+
+def _chunked_float32_gemm(
+    x: torch.Tensor,
+    num_out: int,
+    rows: Any,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) in float32 GEMMs, the result in `dtype`; W's rows [n0, n1) are
+    given as float32 by rows(n0, n1) a few MiB at a time (still in cache when the GEMM reads
+    them)."""
     xf = x.float()
-    num_out, num_in = weight.shape
-    out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
-    chunk = max(16, _CHUNK_BYTES // (4 * num_in))
+    out = torch.empty(x.shape[0], num_out, dtype=dtype, device=x.device)
+    chunk = max(16, _CHUNK_BYTES // (4 * x.shape[1]))
     for n0 in range(0, num_out, chunk):
         n1 = min(num_out, n0 + chunk)
-        part = torch.mm(xf, weight[n0:n1].float().t())
+        part = torch.mm(xf, rows(n0, n1).t())
         if bias is not None:
-            part += bias[n0:n1].float()
+            part += bias[n0:n1]
         out[:, n0:n1] = part
     return out
 
@@ -155,16 +169,20 @@ def prefill_route(weight: torch.Tensor, rows: int) -> str:
     """The fastest of PREFILL_ROUTES for `rows` rows. Timed at each of _PROBE_ROWS on the first
     weight asked about, once per process (well under a second), logged, then reused for every
     bfloat16 weight."""
-    routes = _loaded.get("prefill_routes")
-    if routes is None:
+    return _timed_route(
+        "prefill_routes", rows, lambda probe: _measure_prefill_routes(weight, probe)
+    )
+
+
+def _timed_route(key: str, rows: int, measure: Any) -> str:
+    """The winner at the probe nearest `rows` (in ratio) of the routes `measure(probe)` times,
+    measured at every probe the first time `key` is asked about and kept for the process."""
+    if key not in _loaded:
         with _lock:
-            if "prefill_routes" not in _loaded:
-                _loaded["prefill_routes"] = {
-                    probe: _measure_prefill_routes(weight, probe) for probe in _PROBE_ROWS
-                }
-        routes = _loaded["prefill_routes"]
+            if key not in _loaded:
+                _loaded[key] = {probe: measure(probe) for probe in _PROBE_ROWS}
     nearest = min(_PROBE_ROWS, key=lambda probe: abs(math.log(rows / probe)))
-    return str(routes[nearest])
+    return str(_loaded[key][nearest])
 
 
 def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
@@ -200,22 +218,18 @@ def _best_seconds(fn: Any, repeats: int = 3) -> float:
 
 # Up to ALWAYS_ROWS rows (decode and verify steps) a quantised linear always runs our kernel,
 # which computes each row alike whatever the batch, so a request's tokens do not depend on what
-# it is batched with; past it (prefill chunks) `quant_route` picks by measurement.
-_QUANT_PROBE_ROWS = (64, 256)
+# it is batched with; past it (prefill chunks) `quant_route` picks by measurement, timed on a
+# weight of at least this many rows (smaller ones do not show what the big projections do).
+QUANT_TIMED_MIN_ROWS = 1024
 
 
 def dequantized_chunks_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [M, K] @ W.T in float32 GEMMs, W dequantised (exactly) a few MiB of rows at a time: for
     many rows the BLAS's GEMM outruns a kernel that decodes every block for each tile of rows."""
-    module = _loaded["module"]
-    xf = x.float()
-    num_out, num_in = blocks.shape[0], x.shape[1]
-    out = torch.empty(x.shape[0], num_out, dtype=torch.float32, device="cpu")
-    chunk = max(16, _CHUNK_BYTES // (4 * num_in))
-    for n0 in range(0, num_out, chunk):
-        n1 = min(num_out, n0 + chunk)
-        out[:, n0:n1] = torch.mm(xf, module.dequantize(blocks[n0:n1], qtype, num_in).t())
-    return out
+    module, num_in = _loaded["module"], x.shape[1]
+    return _chunked_float32_gemm(
+        x, blocks.shape[0], lambda n0, n1: module.dequantize(blocks[n0:n1], qtype, num_in)
+    )
 
 
 def _quant_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -235,21 +249,14 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Ten
 
 
 def quant_route(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
-    """The faster of QUANT_ROUTES at the probe nearest `rows` (in ratio), timed once per process
-    on the first weight asked about with at least 1,024 rows, and logged."""
-    routes = _loaded.get("quant_routes")
-    if routes is None:
-        if blocks.shape[0] < 1024:  # too small to time what the big projections do
-            return "dequantised chunks"
-        with _lock:
-            if "quant_routes" not in _loaded:
-                _loaded["quant_routes"] = {
-                    probe: _measure_quant_routes(blocks, qtype, columns, probe)
-                    for probe in _QUANT_PROBE_ROWS
-                }
-        routes = _loaded["quant_routes"]
-    nearest = min(_QUANT_PROBE_ROWS, key=lambda probe: abs(math.log(rows / probe)))
-    return str(routes[nearest])
+    """The faster of QUANT_ROUTES at the probe nearest `rows`, timed once per process on the
+    first weight asked about with at least QUANT_TIMED_MIN_ROWS rows, and logged; until then,
+    the dequantised chunks."""
+    if "quant_routes" not in _loaded and blocks.shape[0] < QUANT_TIMED_MIN_ROWS:
+        return "dequantised chunks"
+    return _timed_route(
+        "quant_routes", rows, lambda probe: _measure_quant_routes(blocks, qtype, columns, probe)
+    )
 
 
 def _measure_quant_routes(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:

@@ -12,9 +12,10 @@
 // activation row and group. Activations stay float32 (no activation quantisation), so the result
 // differs from x @ dequantize(W).T only by float32 summation order.
 //
-// Formats (ggml's type ids): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8): blocks of 32 weights;
-// Q4_K (12), Q6_K (14): super-blocks of 256; and Q6_K8 (our 1014), Q6_K's values one byte per
-// weight, which `repack_q6_k` makes at load (`repack_q5_0` likewise turns Q5_0 into Q8_0).
+// Formats multiplied by (ggml's type ids): Q4_0 (2), Q4_1 (3), Q8_0 (8): blocks of 32 weights;
+// Q4_K (12): super-blocks of 256; and Q6_K8 (our 1014), Q6_K's values one byte per weight, which
+// `repack_q6_k` makes at load from Q6_K (14). `repack_q5_0` likewise turns Q5_0 (6) into Q8_0:
+// those two layouts are only read at load.
 // Threads come from torch's pool (at::parallel_for).
 
 #include <ATen/Parallel.h>
@@ -57,12 +58,12 @@ struct Group {
   float s0, s1, mm;
 };
 
-// Each format: kWeights per block, kBytes per block, kHasOffset (whether mm can be nonzero),
-// kTwoScales (whether s0 and s1 can differ), and group(block, g, out) for g in [0, kWeights / 32).
+// Each format: kWeights per block, kBytes per block, kHasOffset (whether mm can be nonzero), and
+// group(block, g, out) for g in [0, kWeights / 32).
 
 struct Q4_0 {
   static constexpr int kWeights = 32, kBytes = 18;
-  static constexpr bool kHasOffset = false, kTwoScales = false;
+  static constexpr bool kHasOffset = false;
   static inline void group(const uint8_t* b, int, Group& out) {
     const float d = f16(b);
     const __m256i lo = bytes8_u32(b + 2), hi = bytes8_u32(b + 10), mask = _mm256_set1_epi32(15);
@@ -78,7 +79,7 @@ struct Q4_0 {
 
 struct Q4_1 {  // weight = d * q + m
   static constexpr int kWeights = 32, kBytes = 20;
-  static constexpr bool kHasOffset = true, kTwoScales = false;
+  static constexpr bool kHasOffset = true;
   static inline void group(const uint8_t* b, int, Group& out) {
     const __m256i lo = bytes8_u32(b + 4), hi = bytes8_u32(b + 12), mask = _mm256_set1_epi32(15);
     out.q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
@@ -90,32 +91,15 @@ struct Q4_1 {  // weight = d * q + m
   }
 };
 
+// Q5_0 and Q6_K are served re-laid out (repack_q5_0, repack_q6_k below): their own layouts are
+// only read at load, so they need no group decoder.
 struct Q5_0 {  // 4 low bits in nibbles, the fifth in a 32-bit mask; weight = d * (q - 16)
   static constexpr int kWeights = 32, kBytes = 22;
-  static constexpr bool kHasOffset = false, kTwoScales = false;
-  static inline void group(const uint8_t* b, int, Group& out) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, sizeof(qh));
-    const __m256i lo = bytes8_u32(b + 6), hi = bytes8_u32(b + 14), mask = _mm256_set1_epi32(15);
-    const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh));
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
-    const __m256i nib[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask),
-                            _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
-    for (int i = 0; i < 4; ++i) {
-      const __m256i shift = _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i));
-      const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(bits, shift), one);
-      const __m256i q = _mm256_or_si256(nib[i], _mm256_slli_epi32(high, 4));
-      out.q[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen));
-    }
-    out.s0 = out.s1 = f16(b);
-    out.mm = 0.0f;
-  }
 };
 
 struct Q8_0 {  // weight = d * q, q int8
   static constexpr int kWeights = 32, kBytes = 34;
-  static constexpr bool kHasOffset = false, kTwoScales = false;
+  static constexpr bool kHasOffset = false;
   static inline void group(const uint8_t* b, int, Group& out) {
     for (int i = 0; i < 4; ++i) out.q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 2 + 8 * i));
     out.s0 = out.s1 = f16(b);
@@ -125,51 +109,11 @@ struct Q8_0 {  // weight = d * q, q int8
 
 struct Q4_K {  // super-block: d, dmin, 8 six-bit (scale, min) pairs, 256 nibbles
   static constexpr int kWeights = 256, kBytes = 144;
-  static constexpr bool kHasOffset = true, kTwoScales = false;
-  static inline void group(const uint8_t* b, int g, Group& out) {
-    const uint8_t* sc = b + 4;
-    int scale, min;
-    if (g < 4) {
-      scale = sc[g] & 63;
-      min = sc[g + 4] & 63;
-    } else {
-      scale = (sc[g + 4] & 0x0F) | ((sc[g - 4] >> 6) << 4);
-      min = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
-    }
-    // Groups 2c and 2c + 1 are the low and high nibbles of the same 32 bytes.
-    const uint8_t* qs = b + 16 + 32 * (g / 2);
-    const __m256i mask = _mm256_set1_epi32(15);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i v = bytes8_u32(qs + 8 * i);
-      out.q[i] = _mm256_cvtepi32_ps((g & 1) ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask));
-    }
-    out.s0 = out.s1 = f16(b) * static_cast<float>(scale);
-    out.mm = f16(b + 2) * static_cast<float>(min);
-  }
+  static constexpr bool kHasOffset = true;
 };
 
 struct Q6_K {  // super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
   static constexpr int kWeights = 256, kBytes = 210;
-  static constexpr bool kHasOffset = false, kTwoScales = true;
-  static inline void group(const uint8_t* b, int g, Group& out) {
-    const int half = g / 4, t = g % 4;
-    const uint8_t* ql = b + 64 * half + 32 * (t & 1);
-    const uint8_t* qh = b + 128 + 32 * half;
-    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = f16(b + 208);
-    const __m256i mask = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
-    const __m256i offset = _mm256_set1_epi32(32);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i low_all = bytes8_u32(ql + 8 * i);
-      const __m256i low = (t >> 1) ? _mm256_srli_epi32(low_all, 4) : _mm256_and_si256(low_all, mask);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8_u32(qh + 8 * i), 2 * t), three);
-      const __m256i q = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
-      out.q[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, offset));
-    }
-    out.s0 = d * static_cast<float>(scales[2 * g]);
-    out.s1 = d * static_cast<float>(scales[2 * g + 1]);
-    out.mm = 0.0f;
-  }
 };
 
 // Q6_K re-laid out at load for a cheaper decode (repack_q6_k): per super-block the 256 values
@@ -177,7 +121,7 @@ struct Q6_K {  // super-block: 128 bytes of low nibbles, 64 of high bit pairs, 1
 // as from the Q6_K block; the decode is a widening load where Q6_K needs five bit operations.
 struct Q6_K8 {
   static constexpr int kWeights = 256, kBytes = 274;
-  static constexpr bool kHasOffset = false, kTwoScales = true;
+  static constexpr bool kHasOffset = false;
   static inline void group(const uint8_t* b, int g, Group& out) {
     const auto* scales = reinterpret_cast<const int8_t*>(b + 256);
     const float d = f16(b + 272);
@@ -226,18 +170,18 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
         const uint8_t* b = blocks + r * row_bytes + bi * Q::kBytes;
         if constexpr (std::is_same_v<Q, Q4_K>) {
           q4k_dequantize(b, out + r * K + bi * Q::kWeights);
-          continue;
-        }
-        for (int g = 0; g < Q::kWeights / 32; ++g) {
-          Group grp;
-          Q::group(b, g, grp);
-          float* dst = out + r * K + bi * Q::kWeights + 32 * g;
-          const __m256 mm = _mm256_set1_ps(grp.mm);
-          for (int i = 0; i < 4; ++i) {
-            const __m256 s = _mm256_set1_ps(i < 2 ? grp.s0 : grp.s1);
-            __m256 w = _mm256_mul_ps(s, grp.q[i]);
-            if (Q::kHasOffset) w = _mm256_sub_ps(w, mm);
-            _mm256_storeu_ps(dst + 8 * i, w);
+        } else {
+          for (int g = 0; g < Q::kWeights / 32; ++g) {
+            Group grp;
+            Q::group(b, g, grp);
+            float* dst = out + r * K + bi * Q::kWeights + 32 * g;
+            const __m256 mm = _mm256_set1_ps(grp.mm);
+            for (int i = 0; i < 4; ++i) {
+              const __m256 s = _mm256_set1_ps(i < 2 ? grp.s0 : grp.s1);
+              __m256 w = _mm256_mul_ps(s, grp.q[i]);
+              if (Q::kHasOffset) w = _mm256_sub_ps(w, mm);
+              _mm256_storeu_ps(dst + 8 * i, w);
+            }
           }
         }
       }
@@ -306,46 +250,6 @@ inline void q4k_block(const uint8_t* b, const float* x, const float* xs, int64_t
 }
 
 template <int MT>
-inline void q6k_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc)[2]) {
-  const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-  alignas(32) float scale[16];
-  const __m256 d = _mm256_set1_ps(f16(b + 208));
-  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(reinterpret_cast<const uint8_t*>(scales)))));
-  _mm256_store_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(reinterpret_cast<const uint8_t*>(scales + 8)))));
-  const __m256i mask = _mm256_set1_epi32(15), high = _mm256_set1_epi32(0x30), offset = _mm256_set1_epi32(32);
-  for (int h = 0; h < 2; ++h) {  // halves of 128 weights: groups 4h .. 4h + 3
-    const uint8_t* ql = b + 64 * h;
-    const uint8_t* qh = b + 128 + 32 * h;
-    __m256 q[4][4];  // [t][i]: group 4h + t, weights 8i .. 8i + 7
-    for (int i = 0; i < 4; ++i) {
-      const __m256i a = bytes8_u32(ql + 8 * i), c = bytes8_u32(ql + 32 + 8 * i);
-      const __m256i hb = bytes8_u32(qh + 8 * i);
-      const __m256i q0 = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_and_si256(_mm256_slli_epi32(hb, 4), high));
-      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(c, mask), _mm256_and_si256(_mm256_slli_epi32(hb, 2), high));
-      const __m256i q2 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(hb, high));
-      const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), high));
-      q[0][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, offset));
-      q[1][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, offset));
-      q[2][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, offset));
-      q[3][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, offset));
-    }
-    for (int t = 0; t < 4; ++t) {
-      const int g = 4 * h + t;
-      const __m256 s0 = _mm256_broadcast_ss(scale + 2 * g), s1 = _mm256_broadcast_ss(scale + 2 * g + 1);
-      for (int j = 0; j < MT; ++j) {
-        const float* xj = x + j * K + 32 * g;
-        __m256 t0 = _mm256_mul_ps(q[t][0], _mm256_loadu_ps(xj));
-        t0 = _mm256_fmadd_ps(q[t][1], _mm256_loadu_ps(xj + 8), t0);
-        __m256 t1 = _mm256_mul_ps(q[t][2], _mm256_loadu_ps(xj + 16));
-        t1 = _mm256_fmadd_ps(q[t][3], _mm256_loadu_ps(xj + 24), t1);
-        acc[j][t & 1] = _mm256_fmadd_ps(s0, t0, acc[j][t & 1]);
-        acc[j][t & 1] = _mm256_fmadd_ps(s1, t1, acc[j][t & 1]);
-      }
-    }
-  }
-}
-
-template <int MT>
 inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc)[2]) {
   alignas(32) float scale[16];
   const __m256 d = _mm256_set1_ps(f16(b + 272));
@@ -388,8 +292,6 @@ inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t
       _mm_prefetch(reinterpret_cast<const char*>(b + 8 * Q::kBytes + line), _MM_HINT_T0);
     if constexpr (std::is_same_v<Q, Q4_K>) {
       q4k_block<MT>(b, xm + k, xsm + k / 32, K, G, acc, off_v);
-    } else if constexpr (std::is_same_v<Q, Q6_K>) {
-      q6k_block<MT>(b, xm + k, K, acc);
     } else if constexpr (std::is_same_v<Q, Q6_K8>) {
       q6k8_block<MT>(b, xm + k, K, acc);
     } else {
@@ -402,7 +304,8 @@ inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t
   }
 }
 
-constexpr int64_t kMaxTile = 8;  // activation rows per pass over a weight row (8 measured ahead of 4 at 8 rows)
+// Activation rows per pass over a weight row: one decode of each block feeds up to 8 rows.
+constexpr int64_t kMaxTile = 8;
 
 template <class Q>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
@@ -435,10 +338,8 @@ void dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
     case 2: f(Q4_0{}); break;
     case 3: f(Q4_1{}); break;
-    case 6: f(Q5_0{}); break;
     case 8: f(Q8_0{}); break;
     case 12: f(Q4_K{}); break;
-    case 14: f(Q6_K{}); break;
     case kQ6_K8: f(Q6_K8{}); break;
     default: TORCH_CHECK(false, "quantised linear: unsupported GGML type ", qtype);
   }
@@ -519,7 +420,7 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t K, F&& convert) {
 // Q6_K blocks [N, K / 256 * 210] -> the same weights as Q6_K8 blocks [N, K / 256 * 274].
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K) {
   return repack<Q6_K, Q6_K8>(blocks, K, [](const uint8_t* b, uint8_t* o) {
-    for (int g = 0; g < 8; ++g) {  // the layout Q6_K::group decodes
+    for (int g = 0; g < 8; ++g) {  // group g: half g / 4, bit pair t = g % 4 of that half
       const int half = g / 4, t = g % 4;
       const uint8_t* ql = b + 64 * half + 32 * (t & 1);
       const uint8_t* qh = b + 128 + 32 * half;

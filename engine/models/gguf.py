@@ -104,18 +104,23 @@ def checkpoint_name(gguf_name: str) -> str | None:
     return None
 
 
+def permutes_q_k(path: Path) -> bool:
+    """Whether llama.cpp stored the file's q and k projections with their rows permuted: it does
+    for the llama architecture."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    return field is not None and str(field.contents()) == "llama"
+
+
 def read_quantized(
-    path: Path, num_heads: int, num_kv_heads: int, permute: bool | None = None
+    path: Path, num_heads: int, num_kv_heads: int, permute: bool
 ) -> dict[str, QuantTensor]:
     """The file's block-quantised weights in formats the kernels read, by checkpoint name, copied
-    out of the file. `permute` (None: when the file's architecture is llama) undoes llama.cpp's
-    row order of the q and k projections."""
+    out of the file; `permute` undoes llama.cpp's row order of the q and k projections."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    if permute is None:
-        field = reader.fields.get("general.architecture")
-        permute = field is not None and str(field.contents()) == "llama"
     out: dict[str, QuantTensor] = {}
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name)
@@ -136,8 +141,8 @@ def serving_layout(tensor: QuantTensor) -> QuantTensor:
     """The same weights in the layout the kernels multiply by fastest. Q6_K (six bits split in
     two arrays) becomes Q6_K8, one int8 per weight beside the same scales (274 bytes per 256
     weights instead of 210), and Q5_0 becomes Q8_0 (34 bytes per 32 instead of 22): a widening
-    load instead of five bit operations per weight, measured 1.7x and 1.3x faster per weight on
-    one row here. The values are unchanged (tests/unit/test_quant_kernels.py)."""
+    load instead of five bit operations per weight. The values are unchanged
+    (tests/unit/test_quant_kernels.py)."""
     from engine.kernels import cpu_kernels
 
     kernels = cpu_kernels()
@@ -156,13 +161,6 @@ def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
     llama.cpp interleaves the two rotary halves, (a0, b0, a1, b1, ...)."""
     index = np.arange(rows).reshape(heads, rows // heads // 2, 2)
     return index.swapaxes(1, 2).reshape(rows)
-
-
-def describe(tensors: Mapping[str, QuantTensor]) -> str:
-    """'Q4_K + Q6_K, 0.98 GiB' for the tensors in use."""
-    formats = sorted({t.format for t in tensors.values()})
-    size = sum(t.blocks.numel() for t in tensors.values())
-    return f"{' + '.join(formats)}, {size / 2**30:.2f} GiB"
 
 
 def check_against_checkpoint(model_dir: Path, tensors: Mapping[str, QuantTensor]) -> bool:
@@ -209,19 +207,18 @@ def load_quantized(
         logger.info("serving dense weights: %s", problem)
         return None
     assert path is not None
-    tensors = read_quantized(path, num_heads, num_kv_heads)
-    if not check_against_checkpoint(model_dir, tensors):
-        # An architecture whose q/k rows llama.cpp permutes under another name, or the reverse.
-        for permute in (True, False):
-            candidate = read_quantized(path, num_heads, num_kv_heads, permute=permute)
-            if check_against_checkpoint(model_dir, candidate):
-                tensors = candidate
-                break
-        else:
-            raise ValueError(
-                f"{path}: its quantised weights do not match the converted checkpoint in "
-                f"{model_dir}; delete that directory to convert the file again."
-            )
+    # The architecture says whether llama.cpp permuted the q/k rows; where the checkpoint
+    # disagrees (an architecture stored under another's name), the other order is tried.
+    permute = permutes_q_k(path)
+    for order in (permute, not permute):
+        tensors = read_quantized(path, num_heads, num_kv_heads, order)
+        if check_against_checkpoint(model_dir, tensors):
+            break
+    else:
+        raise ValueError(
+            f"{path}: its quantised weights do not match the converted checkpoint in "
+            f"{model_dir}; delete that directory to convert the file again."
+        )
     if not tensors:
         if setting == "gguf":
             raise ValueError(

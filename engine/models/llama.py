@@ -19,6 +19,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import (
     ALWAYS_ROWS,
+    QUANT_TIMED_MIN_ROWS,
     cpu_kernels,
     prefill_linear,
     prefill_route,
@@ -177,10 +178,13 @@ class QuantLinear(nn.Module):
         return torch.cat([part.dequantize() for part in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [quant_linear(x, part.blocks, part.qtype) for part in self.parts]
+        outs = [
+            quant_linear(x, getattr(self, f"blocks{i}"), qtype)
+            for i, qtype in enumerate(self.qtypes)
+        ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
-            out += self.bias.float()
+            out += self.bias  # float32 += the model dtype: no converted copy
         return out.to(x.dtype)
 
 
@@ -321,7 +325,7 @@ def choose_cpu_routes(model: nn.Module) -> None:
     token. Each is timed once per process, on the weight the first prefill would ask about."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            big = [part for part in module.parts if part.rows >= 1024]
+            big = [part for part in module.parts if part.rows >= QUANT_TIMED_MIN_ROWS]
             if big:
                 quant_route(big[0].blocks, big[0].qtype, big[0].columns, 2 * ALWAYS_ROWS)
                 break

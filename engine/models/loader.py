@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.gguf import QuantTensor, describe
+from engine.models.gguf import QuantTensor
 from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -71,21 +71,21 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, tuple[int, int] | None] |
 
 def _quantized_modules(
     cfg: ModelConfig, quantized: Mapping[str, QuantTensor]
-) -> dict[str, list[tuple[int, QuantTensor]]]:
-    """Our module name -> its weight's (first row, blocks) parts, for every linear or embedding
-    whose whole weight the quantised tensors provide (a fused projection with one dense part
-    stays dense)."""
-    parts: dict[str, list[tuple[int, QuantTensor]]] = {}
-    for name, tensor in quantized.items():
+) -> dict[str, list[tuple[int, str]]]:
+    """Our module name -> its weight's parts as (first row, checkpoint name), for every linear or
+    embedding whose whole weight the quantised tensors provide (a fused projection with one
+    dense part stays dense)."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for name in quantized:
         target = _target(cfg, name)
         if target is None:
             continue
         ours, rows = target
-        parts.setdefault(ours.removesuffix(".weight"), []).append((rows[0] if rows else 0, tensor))
+        parts.setdefault(ours.removesuffix(".weight"), []).append((rows[0] if rows else 0, name))
     return {
-        module: sorted(found, key=lambda part: part[0])
+        module: sorted(found)
         for module, found in parts.items()
-        if sum(t.rows for _, t in found) == _weight_rows(cfg, module)
+        if sum(quantized[name].rows for _, name in found) == _weight_rows(cfg, module)
     }
 
 
@@ -101,7 +101,7 @@ def _weight_rows(cfg: ModelConfig, module: str) -> int:
 
 def _install_quantized(
     model: LlamaForCausalLM,
-    modules: Mapping[str, list[tuple[int, QuantTensor]]],
+    modules: Mapping[str, list[tuple[int, str]]],
     dtype: torch.dtype,
 ) -> None:
     """Swap each covered module (still on the meta device) for its quantised form."""
@@ -125,7 +125,8 @@ def load_model(
     """Build `LlamaForCausalLM` for cfg and load its weights from cfg.path; the linears and the
     embedding that `quantized` (checkpoint name -> GGUF blocks) covers whole take those instead."""
     model = LlamaForCausalLM(cfg, dtype)
-    modules = _quantized_modules(cfg, quantized or {})
+    quantized = quantized or {}
+    modules = _quantized_modules(cfg, quantized)
     if modules and device.type != "cpu":
         raise ValueError(f"GGUF-quantised weights run on the CPU only, not on {device}.")
     _install_quantized(model, modules, dtype)
@@ -133,16 +134,11 @@ def load_model(
     for name, parts in modules.items():
         module = model.get_submodule(name)
         if isinstance(module, QuantEmbedding):
-            module.set_weight(parts[0][1])
+            module.set_weight(quantized[parts[0][1]])
         else:
             assert isinstance(module, QuantLinear)
-            module.set_weight([tensor for _, tensor in parts])
-    used = {
-        name
-        for name, tensor in (quantized or {}).items()
-        if (target := _target(cfg, name)) is not None
-        and target[0].removesuffix(".weight") in modules
-    }
+            module.set_weight([quantized[checkpoint] for _, checkpoint in parts])
+    used = {checkpoint for parts in modules.values() for _, checkpoint in parts}
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     for file in _safetensors_files(cfg.path):
@@ -169,11 +165,9 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {cfg.path} does not provide: {', '.join(missing[:8])}.")
     model.eval()
+    weights = str(dtype)
     if used:
-        weights = f"GGUF blocks ({describe({n: quantized[n] for n in used})}, {len(used)} tensors)"
-        weights += f" and {dtype} for the rest" if params else ""
-    else:
-        weights = str(dtype)
+        weights = f"{quantization_of(model)} blocks for {len(used)} tensors, {dtype} for the rest"
     logger.info(
         "loaded %s (%s, %d layers) with %s on %s",
         cfg.path.name,

@@ -159,7 +159,7 @@ def test_prefill_routes_are_timed_at_start_not_in_the_first_request(tmp_path, mo
     monkeypatch.delitem(kernels._loaded, "quant_routes", raising=False)
     monkeypatch.setattr(kernels, "_measure_quant_routes", measure)
     llm = LLM(str(model), dtype="float32", quantization="gguf")
-    assert timed == list(kernels._QUANT_PROBE_ROWS)
+    assert timed == list(kernels._PROBE_ROWS)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([list(range(3, 60))], params)  # a 57-token prefill: the routes are known
-    assert timed == list(kernels._QUANT_PROBE_ROWS)
+    assert timed == list(kernels._PROBE_ROWS)

@@ -1,6 +1,7 @@
-"""The GGUF block kernels (engine/kernels/cpu_quant.cpp): `dequantize` gives the gguf package's
-values bit for bit in every format the engine serves, and both linear routes multiply by exactly
-those weights (float32 results within summation-order rounding of a float64 product)."""
+"""The GGUF block kernels (engine/kernels/cpu_quant.cpp): for every format a file may hold, in the
+layout the engine serves it in (`serving_layout`), `dequantize` gives the gguf package's values
+bit for bit, and both linear routes multiply by exactly those weights (float32 results within
+summation-order rounding of a float64 product)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from gguf.quants import dequantize
 
 from engine import kernels
-from engine.models.gguf import QUANT_FORMATS
+from engine.models.gguf import QUANT_FORMATS, QuantTensor, serving_layout
 from tests.gguf_models import Q, random_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +31,8 @@ def module():
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_dequantize_equals_the_gguf_package_bit_for_bit(module, qtype):
     blocks = random_blocks(np.random.default_rng(int(qtype)), qtype, 37, 512)
-    ours = module.dequantize(torch.from_numpy(blocks), int(qtype), 512)
+    served = serving_layout(QuantTensor(torch.from_numpy(blocks), int(qtype), 512))
+    ours = module.dequantize(served.blocks, served.qtype, 512)
     reference = torch.from_numpy(dequantize(blocks, qtype).reshape(37, 512))
     assert ours.dtype == torch.float32
     assert torch.equal(ours, reference)
@@ -40,17 +42,19 @@ def test_dequantize_equals_the_gguf_package_bit_for_bit(module, qtype):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17])
 def test_linear_multiplies_by_the_dequantised_weight(module, qtype, rows):
     rng = np.random.default_rng(rows)
-    blocks = torch.from_numpy(random_blocks(rng, qtype, 70, 768))
-    weight = torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(70, 768)).double()
+    raw = random_blocks(rng, qtype, 70, 768)
+    served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), 768))
+    blocks, layout = served.blocks, served.qtype
+    weight = torch.from_numpy(dequantize(raw, qtype).reshape(70, 768)).double()
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     expected = x.double() @ weight.t()
     tolerance = 1e-5 * (x.double().abs() @ weight.abs().t()).max().item()
     for route, fn in kernels.QUANT_ROUTES.items():
-        out = fn(x, blocks, int(qtype))
+        out = fn(x, blocks, layout)
         assert out.shape == (rows, 70) and out.dtype == torch.float32, route
         assert (out.double() - expected).abs().max().item() < tolerance, route
     # bfloat16 activations are read as float32.
-    out = module.quant_linear(x.bfloat16(), blocks, int(qtype))
+    out = module.quant_linear(x.bfloat16(), blocks, layout)
     assert torch.allclose(out.double(), x.bfloat16().double() @ weight.t(), atol=tolerance)
 
 
@@ -68,6 +72,9 @@ def test_the_kernels_refuse_what_they_cannot_compute(module):
     blocks = torch.from_numpy(random_blocks(np.random.default_rng(0), Q.Q4_K, 4, 256))
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
         module.dequantize(blocks, 13, 256)  # Q5_K
+    q6_k = torch.from_numpy(random_blocks(np.random.default_rng(0), Q.Q6_K, 4, 256))
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        module.dequantize(q6_k, int(Q.Q6_K), 256)  # read only at load, by repack_q6_k
     with pytest.raises(RuntimeError, match="bytes"):
         module.dequantize(blocks, int(Q.Q4_K), 512)
     with pytest.raises(RuntimeError, match="multiple of 256"):
@@ -89,12 +96,12 @@ def test_the_route_is_measured_once_and_chosen_by_rows(monkeypatch):
     big = torch.from_numpy(random_blocks(np.random.default_rng(1), Q.Q8_0, 1024, 64))
     assert kernels.quant_route(big, int(Q.Q8_0), 64, 40) == "ours"
     assert kernels.quant_route(big, int(Q.Q8_0), 64, 200) == "dequantised chunks"
-    assert timed == list(kernels._QUANT_PROBE_ROWS)  # timed once, at every probe
+    assert timed == list(kernels._PROBE_ROWS)  # timed once, at every probe
     out = kernels.quant_linear(torch.randn(40, 64), big, int(Q.Q8_0))
     assert out.shape == (40, 1024)
     # Decode and verify steps never ask: the kernel computes their rows alike in any batch.
     kernels.quant_linear(torch.randn(kernels.ALWAYS_ROWS, 64), big, int(Q.Q8_0))
-    assert len(timed) == len(kernels._QUANT_PROBE_ROWS)
+    assert len(timed) == len(kernels._PROBE_ROWS)
 
 
 @pytest.mark.parametrize(("source", "layout"), [(Q.Q6_K, 1014), (Q.Q5_0, int(Q.Q8_0))])
