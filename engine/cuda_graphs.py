@@ -208,7 +208,7 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | _NotCaptured:
-        """Replay the step's bucket -> logits [num_tokens, vocab_size] (model dtype), rows in
+        """Replay the step's bucket -> logits [num_tokens, vocab_size] (float32), rows in
         chunk order as ModelRunner.forward returns them; NOT_CAPTURED when no bucket holds it."""
         bucket = self.bucket(chunks)
         if bucket is None:

@@ -128,7 +128,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
-        """One forward over all chunks -> logits [sum of num_logits, vocab_size] (model dtype),
+        """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
         rows in chunk order, or None when no chunk asks for logits. A decode or verify step
         that fits a captured CUDA graph replays it instead."""
         if self.graphs is not None:

@@ -37,6 +37,7 @@ from itertools import chain
 import torch
 
 from engine.device import to_device
+from engine.kernels import argmax_rows
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -98,16 +99,15 @@ class Sampler:
         self._check(logits, rows)
         if self._needs_processing(rows):
             return self.sample_processed(self.process(logits, rows), rows)
-        # All greedy and nothing to apply: argmax of the raw (e.g. bf16) logits equals argmax of
-        # their float32 copy, so the plain path skips the copy.
-        return with_logprobs(logits, logits.argmax(dim=-1), rows)
+        # All greedy and nothing to apply: the argmax of the logits as they are.
+        return with_logprobs(logits, argmax_rows(logits), rows)
 
     def sample_processed(
         self, processed: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> SamplerOutput:
         """Sample from logits that `process` already produced (so a caller that needs the
         processed distributions too, such as verification, processes once)."""
-        token_ids = processed.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
+        token_ids = argmax_rows(processed)  # [num_rows]; random rows are overwritten below
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_idx:
             idx = _host_to(processed.device, random_idx, torch.int64)
@@ -338,7 +338,7 @@ def _exponential_race(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> t
     # E = -log(U) ~ Exp(1); on CPU this is several times faster than exponential_. U == 0 gives
     # E = inf and a score of 0; the floor keeps E > 0 so that p / E stays finite.
     noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
 
 
 def with_logprobs(

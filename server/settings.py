@@ -122,10 +122,10 @@ _FLAG_HELP = {
     "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
     "quantization": "gguf (multiply by a GGUF model's own quantised blocks; CPU), none (dense "
     "weights in --dtype) or auto (gguf where it can run, else none)",
-    "attention_backend": "auto (flash_attn on CUDA with flash-attn installed, else torch), "
-    "torch or flash_attn",
+    "attention_backend": "auto (flash_attn on CUDA with flash-attn installed, cpu on a CPU "
+    "where our kernels build, else torch), torch, cpu or flash_attn",
     "block_size": "KV cache page size in tokens (default: the attention backend's, "
-    "16 for torch, 256 for flash_attn)",
+    "16 for torch and cpu, 256 for flash_attn)",
     "gpu_memory_utilization": "CUDA: share of the GPU's memory the engine may use, in (0, 1]",
     "enforce_eager": "CUDA: run every step eagerly (no CUDA graphs)",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',

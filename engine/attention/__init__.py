@@ -1,6 +1,8 @@
 """Attention backends, chosen by name through a registry whose factories import lazily.
 
-`torch` runs everywhere (the reference); `flash_attn` needs CUDA and the flash-attn package.
+`torch` runs everywhere (the reference); `cpu` is torch's with decode and verify steps run by our
+CPU paged-attention kernel (it needs the CPU kernels built); `flash_attn` needs CUDA and the
+flash-attn package.
 Each backend declares what it can run (`BackendSpec`): the engine configuration checks a
 (backend, device, dtype, block size) combination against it once, when it is built, so an
 impossible combination is a clear error at startup rather than a failure inside the first forward.
@@ -23,6 +25,18 @@ def _make_torch() -> AttentionBackend:
     from engine.attention.torch_attn import TorchAttentionBackend
 
     return TorchAttentionBackend()
+
+
+def _make_cpu() -> AttentionBackend:
+    from engine.attention.cpu_paged import CpuAttentionBackend
+
+    return CpuAttentionBackend()
+
+
+def _cpu_kernels_available() -> bool:
+    from engine.kernels import cpu_kernels
+
+    return cpu_kernels() is not None
 
 
 def _make_flash_attn() -> AttentionBackend:
@@ -97,6 +111,17 @@ BACKENDS: dict[str, BackendSpec] = {
             is_available=_always,
         ),
         BackendSpec(
+            name="cpu",
+            factory=_make_cpu,
+            device_types=("cpu",),
+            dtypes=("bfloat16", "float32"),
+            block_size_multiple=1,
+            default_block_size=16,
+            is_available=_cpu_kernels_available,
+            unavailable_reason="the CPU kernels are turned off or could not be built here "
+            "(the start-up log says why)",
+        ),
+        BackendSpec(
             name="flash_attn",
             factory=_make_flash_attn,
             device_types=("cuda",),
@@ -111,7 +136,7 @@ BACKENDS: dict[str, BackendSpec] = {
     )
 }
 # What "auto" tries, best first: the first one available that accepts the configuration wins.
-AUTO_ORDER = ("flash_attn", "torch")
+AUTO_ORDER = ("flash_attn", "cpu", "torch")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -169,8 +194,9 @@ def resolve_attention_backend(
     dtypes: Mapping[str, torch.dtype | str] | None = None,
     block_size: int | None = None,
 ) -> BackendSpec:
-    """The spec of `name`, checked (see `check_attention_backend`); "auto" is the first of AUTO_ORDER that accepts the whole
-    combination (flash_attn on a CUDA node with flash-attn installed, torch otherwise)."""
+    """The spec of `name`, checked (see `check_attention_backend`); "auto" is the first of
+    AUTO_ORDER that accepts the whole combination (flash_attn on a CUDA node with flash-attn
+    installed, cpu on a CPU where our kernels build, torch otherwise)."""
     if name != "auto":
         return check_attention_backend(name, device_type, dtypes, block_size)
     for candidate in AUTO_ORDER:
@@ -185,8 +211,7 @@ def resolve_attention_backend(
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Build the backend `name`; 'auto' picks flash_attn on CUDA when it is installed, torch
-    otherwise. Configuration checks belong to `EngineConfig`, which hands a concrete name here."""
+    """Build the backend `name`; 'auto' picks as `resolve_attention_backend` does. Configuration checks belong to `EngineConfig`, which hands a concrete name here."""
     if name == "auto":
         return resolve_attention_backend(name, device.type).factory()
     return backend_spec(name).factory()

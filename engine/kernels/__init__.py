@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant.cpp", "cpu_layer.cpp", "cpu_sampling.cpp"))
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
 # Re-entrant: timing a route may build the kernels (cpu_kernels), which takes it too.
@@ -67,6 +67,17 @@ def cpu_kernels() -> Any | None:
             logger.warning("CPU kernels unavailable, using torch's: %s", reason)
         _loaded["module"] = module
         return module
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n].argmax(-1): by our kernel for CPU float32/bfloat16 rows where it built (torch's
+    takes ~0.5 ms per row of a 152k vocabulary here, 1.4 ms in bfloat16), by torch elsewhere.
+    The same answer either way: the lowest index among equal maxima, the first NaN if any."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+        module = cpu_kernels()
+        if module is not None and x.shape[1] > 0:
+            return module.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _build() -> Any:

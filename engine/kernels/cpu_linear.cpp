@@ -151,6 +151,14 @@ torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype);
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K);
 torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K);
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                              torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor slot_mapping, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, torch::Tensor query_start, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)");
@@ -158,4 +166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ dequantize(blocks).T in float32 (AVX2/FMA/F16C)");
   m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout");
   m.def("repack_q5_0", &repack_q5_0, "Q5_0 blocks -> the same weights as Q8_0 blocks");
+  m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32 or bfloat16)");
+  m.def("rope", &rope, "x * cos + rotate_half(x) * sin");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up]");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 or bfloat16 rows");
 }

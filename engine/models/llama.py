@@ -40,6 +40,16 @@ class ForwardContext:
     sin: torch.Tensor  # [num_tokens, head_dim]
 
 
+def layer_kernels(x: torch.Tensor) -> Any | None:
+    """Our CPU kernels for the parts of a layer between its linears (RMSNorm, rotary embedding,
+    silu(gate) * up; engine/kernels/cpu_layer.cpp), where x is a CPU float32 or bfloat16 tensor
+    and they built; None elsewhere (GPU, other dtypes), where the torch formulation below runs.
+    Both round where the other does: they agree to float32 summation order."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32."""
 
@@ -49,6 +59,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = layer_kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -91,6 +104,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, head_dim]
+    kernels = layer_kernels(x)
+    if kernels is not None:
+        return kernels.rope(x, cos, sin)
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
@@ -124,6 +140,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is None:
         return torch.mm(weight, x.t()).t().contiguous()
     return torch.addmm(bias.unsqueeze(1), weight, x.t()).t().contiguous()
+
+
+def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, in] @ weight.T in float32: our bfloat16 kernel's float32 sums as they are
+    (decode and verify rows on a CPU where it built), elsewhere `linear`'s result converted."""
+    if x.device.type == "cpu" and weight.dtype == torch.bfloat16 and x.shape[0] <= ALWAYS_ROWS:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.bf16_linear(x.float(), weight, None)
+    return linear(x, weight).float()
 
 
 class Linear(nn.Linear):
@@ -177,7 +203,8 @@ class QuantLinear(nn.Module):
         """The float32 weight [out, in] it multiplies by (the file's dequantised values)."""
         return torch.cat([part.dequantize() for part in self.parts])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def float32_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) in float32, as the kernels compute it."""
         outs = [
             quant_linear(x, getattr(self, f"blocks{i}"), qtype)
             for i, qtype in enumerate(self.qtypes)
@@ -185,7 +212,10 @@ class QuantLinear(nn.Module):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             out += self.bias  # float32 += the model dtype: no converted copy
-        return out.to(x.dtype)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.float32_product(x).to(x.dtype)
 
 
 class QuantEmbedding(nn.Module):
@@ -211,7 +241,8 @@ class QuantEmbedding(nn.Module):
         return rows.dequantize().to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return quant_linear(hidden, self.blocks, self.qtype).to(hidden.dtype)
+        """hidden @ table.T in float32 (a tied LM head)."""
+        return quant_linear(hidden, self.blocks, self.qtype)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -265,7 +296,11 @@ class MLP(nn.Module):
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = layer_kernels(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -309,14 +344,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] (model dtype)."""
-        if self.lm_head is not None:
-            if isinstance(self.lm_head, QuantLinear):
-                return self.lm_head(hidden)
-            return linear(hidden, self.lm_head.weight)
-        if isinstance(self.embed_tokens, QuantEmbedding):
+        """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32. Where the
+        product is computed in float32 (the CPU kernels) it is kept unrounded: rounded to
+        bfloat16, a 150k vocabulary's two best logits tie often enough to decide greedy output."""
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head.float32_product(hidden)
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.logits(hidden)
-        return linear(hidden, self.embed_tokens.weight)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return float32_linear(hidden, head.weight)
 
 
 def choose_cpu_routes(model: nn.Module) -> None:

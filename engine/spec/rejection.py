@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import to_device
+from engine.kernels import argmax_rows
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -68,7 +69,7 @@ def exponential_noise(vocab_size: int, generator: torch.Generator) -> torch.Tens
 def exponential_race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(weights / noise) over the last dim: a draw from norm(weights) (weights >= 0, not
     necessarily normalised) when noise ~ Exp(1) i.i.d. Ties go to the lowest id."""
-    return (weights / noise).argmax(dim=-1)
+    return argmax_rows(weights / noise)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engine.attention
+import engine.kernels
 from engine.attention import BACKENDS, check_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from server.cli import build_parser, load_cli_settings
@@ -26,9 +27,11 @@ def fake_cuda_node(monkeypatch: pytest.MonkeyPatch, *, flash_attn: bool = True) 
     monkeypatch.setattr(engine.attention, "flash_attn_available", lambda: flash_attn)
 
 
-def cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make this process look like a machine without a GPU (also on a GPU CI runner)."""
+def cpu_node(monkeypatch: pytest.MonkeyPatch, *, kernels: bool = True) -> None:
+    """Make this process look like a machine without a GPU (also on a GPU CI runner), where our
+    CPU kernels build when `kernels`."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engine.kernels, "cpu_kernels", lambda: object() if kernels else None)
 
 
 def _checkpoint(torch_dtype: str) -> ModelConfig:
@@ -93,11 +96,29 @@ def test_check_names_what_is_wrong_and_what_works(monkeypatch):
 # --- the resolution table ---------------------------------------------------------------------
 
 
-def test_auto_on_cpu_is_torch_with_16_token_pages(monkeypatch):
+def test_auto_on_cpu_is_cpu_with_16_token_pages(monkeypatch):
     cpu_node(monkeypatch)
     config = EngineConfig(model="m")
-    assert _resolved(config) == ("cpu", "torch", 16)
+    assert _resolved(config) == ("cpu", "cpu", 16)
     assert config.torch_device() == torch.device("cpu")
+    assert _resolved(EngineConfig(model="m", dtype="float32")) == ("cpu", "cpu", 16)
+
+
+def test_auto_on_cpu_without_our_kernels_is_torch(monkeypatch):
+    cpu_node(monkeypatch, kernels=False)
+    assert _resolved(EngineConfig(model="m")) == ("cpu", "torch", 16)
+    with pytest.raises(ValueError, match="attention backend cpu is not available here"):
+        EngineConfig(model="m", attention_backend="cpu")
+
+
+def test_cpu_backend_is_for_the_cpu_and_its_dtypes(monkeypatch):
+    fake_cuda_node(monkeypatch)
+    with pytest.raises(ValueError, match="runs on cpu only, not cuda"):
+        EngineConfig(model="m", attention_backend="cpu")
+    cpu_node(monkeypatch)
+    with pytest.raises(ValueError, match="cpu supports dtype bfloat16 or float32, not dtype"):
+        EngineConfig(model="m", attention_backend="cpu", dtype="float16")
+    assert _resolved(EngineConfig(model="m", dtype="float16")) == ("cpu", "torch", 16)
 
 
 def test_auto_on_cuda_with_flash_attn_is_flash_attn_with_256_token_pages(monkeypatch):
@@ -118,7 +139,7 @@ def test_explicit_device_is_kept(monkeypatch):
     assert _resolved(config) == ("cuda:1", "flash_attn", 256)
     assert config.torch_device() == torch.device("cuda", 1)
     cpu_node(monkeypatch)
-    assert _resolved(EngineConfig(model="m", device="cpu", block_size=4)) == ("cpu", "torch", 4)
+    assert _resolved(EngineConfig(model="m", device="cpu", block_size=4)) == ("cpu", "cpu", 4)
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(model="m", device="gpu")
 
@@ -187,7 +208,7 @@ def test_dtype_auto_picks_one_the_backend_accepts(monkeypatch, node, checkpoint,
     else:
         cpu_node(monkeypatch)
     config = EngineConfig(model="m")
-    assert config.attention_backend == ("flash_attn" if node == "cuda" else "torch")
+    assert config.attention_backend == ("flash_attn" if node == "cuda" else "cpu")
     dtype = config.torch_dtype(_checkpoint(checkpoint))
     assert dtype == expected
     assert BACKENDS[config.attention_backend].supports_dtype(dtype)
@@ -215,7 +236,9 @@ def test_draft_dtype_is_checked_against_the_backend(monkeypatch):
     assert config.attention_backend == "flash_attn"
     cpu_node(monkeypatch)
     config = EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "float32"})
-    assert config.attention_backend == "torch"
+    assert config.attention_backend == "cpu"
+    config = EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "float16"})
+    assert config.attention_backend == "torch"  # the cpu backend has no float16 kernel
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.01, 2])
@@ -256,7 +279,7 @@ def test_settings_round_trip_the_new_fields(tmp_path, monkeypatch):
     assert kwargs["gpu_memory_utilization"] == 0.75 and kwargs["enforce_eager"] is True
     config = settings.engine_config()
     assert (config.gpu_memory_utilization, config.enforce_eager) == (0.75, True)
-    assert _resolved(config) == ("cpu", "torch", 16)
+    assert _resolved(config) == ("cpu", "cpu", 16)
     environ = {"SPECSERVE_ENFORCE_EAGER": "false", "SPECSERVE_BLOCK_SIZE": "32"}
     config = load_settings(path, environ=environ).engine_config()
     assert config.enforce_eager is False and config.block_size == 32

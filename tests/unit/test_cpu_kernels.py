@@ -186,3 +186,30 @@ def test_timing_the_routes_before_anything_built_the_kernels_does_not_deadlock(m
     worker.start()
     worker.join(timeout=120)
     assert done and done[0] in kernels.PREFILL_ROUTES
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 151936])
+def test_argmax_rows_matches_torch(dtype, width):
+    """The same index as torch.argmax in every case greedy sampling can meet: ties (the lowest
+    index), a maximum in the tail past the last full 8 lanes, -inf rows, NaN (the first one)."""
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(8, width, generator=gen).to(dtype)
+    rows[1] = rows[1].round()  # many ties at the maximum (bfloat16 rounds more of them)
+    rows[2, -1] = 100.0  # in the tail
+    rows[3] = float("-inf")
+    rows[4, width // 2] = float("nan")
+    rows[5] = 0.0
+    rows[6, 0] = float("inf")
+    rows[6, -1] = float("inf")
+    module = kernels.cpu_kernels()
+    assert torch.equal(module.argmax_rows(rows), rows.argmax(dim=-1))
+    assert torch.equal(kernels.argmax_rows(rows[::2]), rows[::2].argmax(dim=-1))  # strided rows
+
+
+def test_argmax_rows_falls_back_to_torch_off_its_shapes():
+    one_row = torch.tensor([0.5, 2.0, 2.0])
+    assert kernels.argmax_rows(one_row).item() == 1  # 1-D: torch's
+    halves = torch.tensor([[0.5, 2.0, 2.0]], dtype=torch.float16)
+    assert kernels.argmax_rows(halves).tolist() == [1]

@@ -235,7 +235,7 @@ def test_images_serve_a_config_for_their_hardware(monkeypatch):
     cpu_node(monkeypatch)
     env = {k: v for k, v in _values(ROOT / "Dockerfile.cpu", "ENV").items() if "$" not in v}
     config = load_settings(cpu_path, environ=env).engine_config()
-    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "cpu", 16)
     baked = _values(ROOT / "Dockerfile.cpu", "ARG")["MODELS"].split()
     assert {config.model, config.speculative_config.model} <= set(baked)
 
@@ -370,7 +370,7 @@ def test_cpu_config_resolves_on_cpu_and_on_gpu(path, monkeypatch):
     assert "block_size" not in settings.engine_kwargs(), "let the attention backend pick it"
     cpu_node(monkeypatch)
     config = settings.engine_config()
-    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "cpu", 16)
     fake_cuda_node(monkeypatch)  # never an impossible combination, whatever the node
     config = settings.engine_config()
     assert (config.device, config.attention_backend, config.block_size) == (
@@ -788,7 +788,7 @@ def test_helm_cpu_config_is_configs_default(tmp_path, monkeypatch):
     assert yaml.safe_load(config_map["data"]["config.yaml"]) == {"engine": default["engine"]}
     cpu_node(monkeypatch)
     config = _config_settings(manifests, tmp_path).engine_config()
-    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "torch", 16)
+    assert (config.device, config.attention_backend, config.block_size) == ("cpu", "cpu", 16)
 
 
 def test_helm_config_file_is_passed_verbatim():
