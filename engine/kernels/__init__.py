@@ -22,6 +22,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,13 +251,28 @@ def _quant_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
 QUANT_ROUTES = {"ours": _quant_kernel, "dequantised chunks": dequantized_chunks_linear}
 
 
-def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [M, K] @ W.T in float32 for a GGUF-quantised W (engine.models.gguf), by the route that
-    measured fastest here at about M rows. Needs `cpu_kernels()`."""
+def quant_linear(
+    x: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    qtypes: Sequence[int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) in float32 for a GGUF-quantised W (engine.models.gguf) whose rows
+    are the runs blocks[0], blocks[1], ... of GGML types qtypes[i]: up to ALWAYS_ROWS rows in one
+    call of our kernel, past it each run by the route that measured fastest here at about M rows.
+    Needs `cpu_kernels()`."""
     rows = x.shape[0]
     if rows <= ALWAYS_ROWS:
-        return _quant_kernel(x, blocks, qtype)
-    return QUANT_ROUTES[quant_route(blocks, qtype, x.shape[1], rows)](x, blocks, qtype)
+        return _loaded["module"].quant_linear_parts(x, blocks, qtypes, bias)
+    columns = x.shape[1]
+    outs = [
+        QUANT_ROUTES[quant_route(part, qtype, columns, rows)](x, part, qtype)
+        for part, qtype in zip(blocks, qtypes, strict=True)
+    ]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if bias is not None:
+        out += bias  # float32 += the model dtype: no converted copy
+    return out
 
 
 def quant_route(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:

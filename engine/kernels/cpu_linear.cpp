@@ -149,6 +149,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 // cpu_quant.cpp
 torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype);
+torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> parts,
+                                 std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K);
 torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
@@ -164,6 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)");
   m.def("dequantize", &dequantize, "GGUF blocks [N, bytes] of a GGML type -> float32 [N, K]");
   m.def("quant_linear", &quant_linear, "x @ dequantize(blocks).T in float32 (AVX2/FMA/F16C)");
+  m.def("quant_linear_parts", &quant_linear_parts,
+        "x @ W.T (+ bias) in float32, W's rows in runs of GGUF blocks of different types");
   m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout");
   m.def("repack_q5_0", &repack_q5_0, "Q5_0 blocks -> the same weights as Q8_0 blocks");
   m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache");

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -274,7 +275,7 @@ inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc
 // Output row n (one weight row) for activation rows [m, m + MT): each block is decoded once and
 // used by all MT rows. xsum[m][g] = sum of x[m] over group g.
 template <class Q, int MT>
-inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t N,
+inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t ld,
                     int64_t n, int64_t m, float* out) {
   const int64_t num_blocks = K / Q::kWeights, G = K / 32;
   __m256 acc[MT][2], off_v[MT];
@@ -300,16 +301,17 @@ inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t
   }
   for (int j = 0; j < MT; ++j) {
     const float total = horizontal_sum(_mm256_add_ps(acc[j][0], acc[j][1]));
-    out[(m + j) * N + n] = total - off[j] - horizontal_sum(off_v[j]);
+    out[(m + j) * ld + n] = total - off[j] - horizontal_sum(off_v[j]);
   }
 }
 
 // Activation rows per pass over a weight row: one decode of each block feeds up to 8 rows.
 constexpr int64_t kMaxTile = 8;
 
+// out[m, n] (rows ld floats apart) for the N weight rows of w.
 template <class Q>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
-                 int64_t M, int64_t K, int64_t N, float* out) {
+                 int64_t M, int64_t K, int64_t N, int64_t ld, float* out) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
@@ -318,14 +320,14 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const floa
         const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
         const int64_t mt = (left + tiles - 1) / tiles;  // as even as possible
         switch (mt) {
-          case 8: dot_row<Q, 8>(row, x, xsum, K, N, n, m, out); break;
-          case 7: dot_row<Q, 7>(row, x, xsum, K, N, n, m, out); break;
-          case 6: dot_row<Q, 6>(row, x, xsum, K, N, n, m, out); break;
-          case 5: dot_row<Q, 5>(row, x, xsum, K, N, n, m, out); break;
-          case 4: dot_row<Q, 4>(row, x, xsum, K, N, n, m, out); break;
-          case 3: dot_row<Q, 3>(row, x, xsum, K, N, n, m, out); break;
-          case 2: dot_row<Q, 2>(row, x, xsum, K, N, n, m, out); break;
-          default: dot_row<Q, 1>(row, x, xsum, K, N, n, m, out); break;
+          case 8: dot_row<Q, 8>(row, x, xsum, K, ld, n, m, out); break;
+          case 7: dot_row<Q, 7>(row, x, xsum, K, ld, n, m, out); break;
+          case 6: dot_row<Q, 6>(row, x, xsum, K, ld, n, m, out); break;
+          case 5: dot_row<Q, 5>(row, x, xsum, K, ld, n, m, out); break;
+          case 4: dot_row<Q, 4>(row, x, xsum, K, ld, n, m, out); break;
+          case 3: dot_row<Q, 3>(row, x, xsum, K, ld, n, m, out); break;
+          case 2: dot_row<Q, 2>(row, x, xsum, K, ld, n, m, out); break;
+          default: dot_row<Q, 1>(row, x, xsum, K, ld, n, m, out); break;
         }
         m += mt;
       }
@@ -375,23 +377,57 @@ torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K) {
   return out;
 }
 
-// x [M, K] (any float dtype) @ dequantize(blocks).T -> float32 [M, N].
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype) {
-  check_tensor(blocks);
+// x [M, K] (any float dtype) @ W.T (+ bias) -> float32 [M, N], W the rows of parts[0], then of
+// parts[1], ... (a fused projection whose runs of rows are in different formats, qtypes[i]).
+// x is converted and its group sums taken once for all parts, and each part writes its columns
+// of the one output.
+torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> parts,
+                                 std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear: x [M, K] on the CPU expected");
+  TORCH_CHECK(!parts.empty() && parts.size() == qtypes.size(),
+              "quant_linear: one GGML type per part expected");
   const auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = blocks.size(0);
+  const int64_t M = xf.size(0), K = xf.size(1), G = K / 32;
   TORCH_CHECK(K % 32 == 0, "quant_linear: K must be a multiple of 32");
+  int64_t N = 0;
+  for (const auto& blocks : parts) {
+    check_tensor(blocks);
+    N += blocks.size(0);
+  }
   auto out = torch::empty({M, N}, xf.options());
   // Per activation row, the sum of each group of 32: what the formats' offsets multiply.
-  const auto xsum = xf.view({M, K / 32, 32}).sum(-1).contiguous();
-  dispatch(qtype, [&](auto q) {
-    using Q = decltype(q);
-    check_blocks<Q>(blocks, K);
-    linear_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xf.data_ptr<float>(),
-                   xsum.data_ptr<float>(), M, K, N, out.data_ptr<float>());
-  });
+  std::vector<float> xsum(M * G);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t i = 0; i < M * G; ++i) {
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xp + 32 * i), _mm256_loadu_ps(xp + 32 * i + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(xp + 32 * i + 16), _mm256_loadu_ps(xp + 32 * i + 24)));
+    xsum[i] = horizontal_sum(s);
+  }
+  float* op = out.data_ptr<float>();
+  int64_t column = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const auto& blocks = parts[p];
+    dispatch(qtypes[p], [&](auto q) {
+      using Q = decltype(q);
+      check_blocks<Q>(blocks, K);
+      linear_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xp, xsum.data(), M, K,
+                     blocks.size(0), N, op + column);
+    });
+    column += blocks.size(0);
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear: a bias of ", N, " values expected");
+    const auto b = bias->to(at::kFloat).contiguous();
+    const float* bp = b.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) op[m * N + n] += bp[n];
+  }
   return out;
+}
+
+// x [M, K] (any float dtype) @ dequantize(blocks).T -> float32 [M, N].
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype) {
+  return quant_linear_parts(x, {blocks}, {qtype}, c10::nullopt);
 }
 
 namespace {

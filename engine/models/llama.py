@@ -175,6 +175,7 @@ class QuantLinear(nn.Module):
         )
         self.qtypes: tuple[int, ...] = ()
         self.origins: tuple[str, ...] = ()
+        self.block_names: tuple[str, ...] = ()
 
     def set_weight(self, parts: list[QuantTensor]) -> None:
         """The weight's rows, in order, as runs of blocks; consecutive runs of one format merge."""
@@ -187,16 +188,19 @@ class QuantLinear(nn.Module):
                 runs[-1] = QuantTensor(merged, part.qtype, part.columns, part.origin)
             else:
                 runs.append(part)
-        for i, run in enumerate(runs):
-            self.register_buffer(f"blocks{i}", run.blocks.contiguous())
+        self.block_names = tuple(f"blocks{i}" for i in range(len(runs)))
+        for name, run in zip(self.block_names, runs, strict=True):
+            self.register_buffer(name, run.blocks.contiguous())
         self.qtypes = tuple(run.qtype for run in runs)
         self.origins = tuple(run.origin for run in runs)
 
     @property
     def parts(self) -> list[QuantTensor]:
         return [
-            QuantTensor(getattr(self, f"blocks{i}"), qtype, self.in_features, origin)
-            for i, (qtype, origin) in enumerate(zip(self.qtypes, self.origins, strict=True))
+            QuantTensor(self._buffers[name], qtype, self.in_features, origin)
+            for name, qtype, origin in zip(
+                self.block_names, self.qtypes, self.origins, strict=True
+            )
         ]
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -205,14 +209,8 @@ class QuantLinear(nn.Module):
 
     def float32_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias) in float32, as the kernels compute it."""
-        outs = [
-            quant_linear(x, getattr(self, f"blocks{i}"), qtype)
-            for i, qtype in enumerate(self.qtypes)
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if self.bias is not None:
-            out += self.bias  # float32 += the model dtype: no converted copy
-        return out
+        blocks = [self._buffers[name] for name in self.block_names]
+        return quant_linear(x, blocks, self.qtypes, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float32_product(x).to(x.dtype)
@@ -242,7 +240,7 @@ class QuantEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table.T in float32 (a tied LM head)."""
-        return quant_linear(hidden, self.blocks, self.qtype)
+        return quant_linear(hidden, [self.blocks], [self.qtype])
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:

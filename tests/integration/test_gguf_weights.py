@@ -127,6 +127,14 @@ def test_auto_serves_the_blocks_and_none_serves_dense(gguf_llama, tiny_llama):
         LLM(str(tiny_llama), dtype="float32", quantization="gguf")
 
 
+def test_dtype_auto_runs_the_blocks_in_float32(gguf_llama, tiny_llama):
+    """The kernels' own precision where blocks are served; an explicit dtype wins."""
+    runner = LLM(str(gguf_llama)).engine.runner
+    assert runner.quantization.startswith("gguf") and runner.dtype == torch.float32
+    assert runner.weight_format.endswith("float32 activations")
+    assert LLM(str(gguf_llama), dtype="bfloat16").engine.runner.dtype == torch.bfloat16
+
+
 def test_a_file_that_does_not_match_its_checkpoint_is_refused(tmp_path):
     # Blocks from another seed: the converted checkpoint was not made from this file.
     model = build_tiny_gguf_model(tmp_path / "a", "llama", seed=3)

@@ -97,10 +97,10 @@ def test_the_route_is_measured_once_and_chosen_by_rows(monkeypatch):
     assert kernels.quant_route(big, int(Q.Q8_0), 64, 40) == "ours"
     assert kernels.quant_route(big, int(Q.Q8_0), 64, 200) == "dequantised chunks"
     assert timed == list(kernels._PROBE_ROWS)  # timed once, at every probe
-    out = kernels.quant_linear(torch.randn(40, 64), big, int(Q.Q8_0))
+    out = kernels.quant_linear(torch.randn(40, 64), [big], [int(Q.Q8_0)])
     assert out.shape == (40, 1024)
     # Decode and verify steps never ask: the kernel computes their rows alike in any batch.
-    kernels.quant_linear(torch.randn(kernels.ALWAYS_ROWS, 64), big, int(Q.Q8_0))
+    kernels.quant_linear(torch.randn(kernels.ALWAYS_ROWS, 64), [big], [int(Q.Q8_0)])
     assert len(timed) == len(kernels._PROBE_ROWS)
 
 
@@ -119,3 +119,25 @@ def test_repacked_layouts_hold_the_same_weights(module, source, layout):
     for fn in kernels.QUANT_ROUTES.values():
         out = fn(x, served.blocks, served.qtype)
         assert (out.double() - expected).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("rows", [1, 5, kernels.ALWAYS_ROWS + 3])
+def test_a_fused_projection_of_mixed_formats_is_one_product(module, rows):
+    """Runs of rows in different formats (a Q4_K_M qkv with a Q6_K v) plus a bias, in one call up
+    to ALWAYS_ROWS rows and per run past it: the same values as each run's own product side by
+    side, plus the bias."""
+    rng = np.random.default_rng(rows)
+    runs = [serving_layout(QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512))
+            for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))]
+    blocks, qtypes = [run.blocks for run in runs], [run.qtype for run in runs]
+    bias = torch.randn(72).bfloat16()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    out = kernels.quant_linear(x, blocks, qtypes, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 72)
+    alone = torch.cat([module.quant_linear(x, b, q) for b, q in zip(blocks, qtypes)], dim=1)
+    if rows <= kernels.ALWAYS_ROWS:
+        assert torch.equal(out, alone + bias.float())
+    else:  # each run by its timed route: equal up to the routes' summation order
+        torch.testing.assert_close(out, alone + bias.float(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="one GGML type per part"):
+        module.quant_linear_parts(x, blocks, qtypes[:2], None)
