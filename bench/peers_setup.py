@@ -357,9 +357,11 @@ def specserve_config_dict(
 ) -> dict[str, Any]:
     """The base YAML config with the target, a 4096-token context (vLLM's here), the weight
     format (none: dense bfloat16, the peers' bf16 values; gguf: the bundled files' own blocks,
-    llama.cpp Q4_K_M's) and one speculation method (none: no draft model loaded)."""
+    llama.cpp Q4_K_M's, with dtype auto's float32 activations, as deployed) and one speculation
+    method (none: no draft model loaded)."""
     base = yaml.safe_load((ROOT / settings.specserve_config).read_text())
-    engine = {**base.get("engine", {}), "model": settings.target, "dtype": "bfloat16"}
+    dtype = "bfloat16" if quantization == "none" else "auto"
+    engine = {**base.get("engine", {}), "model": settings.target, "dtype": dtype}
     engine["quantization"] = quantization
     engine["max_model_len"] = 4096
     engine["max_num_seqs"] = max(int(engine.get("max_num_seqs", 16)), settings.max_num_seqs)

@@ -317,6 +317,7 @@ def test_specserve_command_and_config(tmp_path):
     gguf_config = yaml.safe_load((tmp_path / "specserve-gguf-off.yaml").read_text())
     assert gguf.argv[5] == str(tmp_path / "specserve-gguf-off.yaml")
     assert gguf_config["engine"]["quantization"] == "gguf"
+    assert gguf_config["engine"]["dtype"] == "auto"  # float32 activations, as deployed
     assert engine["max_model_len"] == 4096 and engine["max_num_seqs"] == 32
     assert engine["kv_cache_memory"] == 2 << 30  # configs/default.yaml's, kept
     assert engine["speculative_config"] == {
