@@ -31,7 +31,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant.cpp", "cpu_layer.cpp", "cpu_sampling.cpp"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_linear.cpp", "cpu_quant.cpp", "cpu_layer.cpp", "cpu_sampling.cpp")
+)
+_HEADERS = (Path(__file__).with_name("simd.h"),)  # part of the build key, not compiled alone
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
 # Re-entrant: timing a route may build the kernels (cpu_kernels), which takes it too.
@@ -86,7 +90,8 @@ def _build() -> Any:
 
     from engine.models.bundled import cache_root
 
-    source = b"".join(path.read_bytes() for path in _SOURCES) + " ".join(_FLAGS).encode()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    source += " ".join(_FLAGS).encode()
     key = hashlib.sha256(
         source + torch.__version__.encode() + platform.python_version().encode()
     ).hexdigest()[:16]

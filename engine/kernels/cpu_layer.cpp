@@ -28,21 +28,9 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // exp(x), 8 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial
 // (relative error ~1e-7), times 2^n built in the exponent bits. Below -87 the result is 0 (where

@@ -19,25 +19,15 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "simd.h"
 
-inline __m256 load_bf16(const uint16_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+namespace {
 
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // NT weight rows [n, n + NT) times MT activation rows [m, m + MT): NT * MT accumulators, NT

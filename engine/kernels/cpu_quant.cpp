@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 inline float f16(const uint8_t* p) {
@@ -42,13 +44,6 @@ inline __m256i bytes8_u32(const uint8_t* p) {  // 8 bytes zero-extended to 8 int
 
 inline __m256i bytes8_i32(const uint8_t* p) {  // 8 bytes sign-extended to 8 int32 lanes
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // One group of 32 weights: q[0..3] hold q for weights 0-7, 8-15, 16-23, 24-31 (integer-valued

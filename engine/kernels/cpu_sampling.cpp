@@ -14,14 +14,9 @@
 #include <cstdint>
 #include <limits>
 
+#include "simd.h"
+
 namespace {
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
 
 template <class T>
 int64_t argmax_row(const T* x, int64_t n) {
