@@ -152,17 +152,31 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 
+// Every kernel runs without Python's GIL (its arguments are converted before and its result
+// after): the engine thread computes a step while the server's event loop keeps streaming.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)");
-  m.def("dequantize", &dequantize, "GGUF blocks [N, bytes] of a GGML type -> float32 [N, K]");
-  m.def("quant_linear", &quant_linear, "x @ dequantize(blocks).T in float32 (AVX2/FMA/F16C)");
+  const auto kFree = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)",
+        kFree);
+  m.def("dequantize", &dequantize, "GGUF blocks [N, bytes] of a GGML type -> float32 [N, K]",
+        kFree);
+  m.def("quant_linear", &quant_linear, "x @ dequantize(blocks).T in float32 (AVX2/FMA/F16C)",
+        kFree);
   m.def("quant_linear_parts", &quant_linear_parts,
-        "x @ W.T (+ bias) in float32, W's rows in runs of GGUF blocks of different types");
-  m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout");
-  m.def("repack_q5_0", &repack_q5_0, "Q5_0 blocks -> the same weights as Q8_0 blocks");
-  m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32 or bfloat16)");
-  m.def("rope", &rope, "x * cos + rotate_half(x) * sin");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up]");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 or bfloat16 rows");
+        "x @ W.T (+ bias) in float32, W's rows in runs of GGUF blocks of different types",
+        kFree);
+  m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout",
+        kFree);
+  m.def("repack_q5_0", &repack_q5_0, "Q5_0 blocks -> the same weights as Q8_0 blocks",
+        kFree);
+  m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache",
+        kFree);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32 or bfloat16)",
+        kFree);
+  m.def("rope", &rope, "x * cos + rotate_half(x) * sin",
+        kFree);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up]",
+        kFree);
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 or bfloat16 rows",
+        kFree);
 }

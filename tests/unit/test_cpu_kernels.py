@@ -213,3 +213,15 @@ def test_argmax_rows_falls_back_to_torch_off_its_shapes():
     assert kernels.argmax_rows(one_row).item() == 1  # 1-D: torch's
     halves = torch.tensor([[0.5, 2.0, 2.0]], dtype=torch.float16)
     assert kernels.argmax_rows(halves).tolist() == [1]
+
+
+def test_every_kernel_releases_the_gil():
+    """The engine thread runs the kernels while the server's event loop streams other requests:
+    a kernel holding Python's GIL would stall every connection for the length of the call."""
+    source = (Path(kernels.__file__).with_name("cpu_linear.cpp")).read_text()
+    bindings = source[source.index("PYBIND11_MODULE") :].split("m.def(")[1:]
+    names = [binding.split(",")[0].strip('"') for binding in bindings]
+    assert len(names) >= 11 and "paged_attention" in names and "quant_linear_parts" in names
+    assert "call_guard<pybind11::gil_scoped_release>" in source
+    for name, binding in zip(names, bindings, strict=True):
+        assert "kFree" in binding.split(");")[0], f"{name} is bound without releasing the GIL"
