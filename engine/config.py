@@ -150,13 +150,17 @@ class EngineConfig:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+    def torch_dtype(self, model_config: ModelConfig, quantized: bool = False) -> torch.dtype:
         """'auto' takes the checkpoint's dtype, except float16 on CPU, which is slow there, and a
         dtype the attention backend refuses, which becomes the backend's preferred one (a float32
-        checkpoint on flash_attn runs in bfloat16)."""
+        checkpoint on flash_attn runs in bfloat16). Where GGUF blocks are served (`quantized`)
+        it is float32: the CPU kernels multiply them by float32 activations, so then no layer
+        converts on the way in and out."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        dtype = _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+        dtype = (
+            torch.float32 if quantized else _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+        )
         if dtype == torch.float16 and self.torch_device().type == "cpu":
             dtype = torch.bfloat16
         backend = backend_spec(self.attention_backend)

@@ -66,11 +66,7 @@ class ModelRunner:
             config.quantization,
             self.device.torch,
         )
-        self.dtype = dtype or config.torch_dtype(model_config)
-        if quantized and dtype is None and config.dtype == "auto":
-            # The CPU kernels multiply GGUF blocks by float32 activations: in float32 throughout,
-            # no layer converts on the way in and out (~10% faster per decode step here).
-            self.dtype = torch.float32
+        self.dtype = dtype or config.torch_dtype(model_config, quantized=bool(quantized))
         self.model = load_model(model_config, self.dtype, self.device.torch, quantized)
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)

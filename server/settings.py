@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.config import EngineConfig, Quantization
+from engine.config import Dtype, EngineConfig, Quantization
 
 ENV_PREFIX = "SPECSERVE_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -38,7 +38,7 @@ class Settings(BaseModel):
     # --- engine ---
     model: str
     served_model_name: str | None = None  # None: the model argument
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Dtype = "auto"
     quantization: Quantization = "auto"
     device: str = "auto"
     max_num_seqs: Annotated[int, Field(ge=1)] = 16

@@ -211,7 +211,8 @@ def resolve_attention_backend(
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Build the backend `name`; 'auto' picks as `resolve_attention_backend` does. Configuration checks belong to `EngineConfig`, which hands a concrete name here."""
+    """Build the backend `name`; 'auto' picks as `resolve_attention_backend` does. Configuration
+    checks belong to `EngineConfig`, which hands a concrete name here."""
     if name == "auto":
         return resolve_attention_backend(name, device.type).factory()
     return backend_spec(name).factory()

@@ -38,7 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device):
-        if device.type != "cpu" or max(layout.query_lens) > MAX_KERNEL_QUERY:
+        if max(layout.query_lens) > MAX_KERNEL_QUERY:
             return super().build_metadata(layout, device)
         bs = layout.block_size
         used = [-(-seq_len // bs) for seq_len in layout.seq_lens]

@@ -76,8 +76,9 @@ def cpu_kernels() -> Any | None:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, n].argmax(-1): by our kernel for CPU float32/bfloat16 rows where it built (torch's
-    takes ~0.5 ms per row of a 152k vocabulary here, 1.4 ms in bfloat16), by torch elsewhere.
-    The same answer either way: the lowest index among equal maxima, the first NaN if any."""
+    CPU argmax is a scalar loop, as slow as the rest of a decode step's sampling over a 152k
+    vocabulary), by torch elsewhere. The same answer either way: the lowest index among equal
+    maxima, the first NaN if any."""
     if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
         module = cpu_kernels()
         if module is not None and x.shape[1] > 0:

@@ -169,11 +169,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
                               torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor slot_mapping, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start, double scale) {
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "paged_attention: float32 or bfloat16 expected");
+  const auto dtype = query.scalar_type();  // float32 or bfloat16: dispatch_float checks
   for (const auto* t : {&key, &value, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(), "paged_attention: dtypes differ");
+    TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                "paged_attention: CPU tensors of the query's dtype expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
               "paged_attention: contiguous caches [blocks, block_size, kv_heads, head_dim] expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -185,8 +184,11 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
   Layout L{q.size(0), q.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1),
            tables.size(1), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
            starts.data_ptr<int32_t>(), tables.size(0)};
-  TORCH_CHECK(q.size(2) == L.head_dim && L.num_heads % L.num_kv_heads == 0 &&
-                  k.size(0) == L.num_tokens && slots.numel() == L.num_tokens &&
+  // Rows are copied and read by these sizes: a mismatch would read or write past a tensor.
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == L.head_dim && L.num_heads % L.num_kv_heads == 0 &&
+                  k.dim() == 3 && k.size(0) == L.num_tokens && k.size(1) == L.num_kv_heads &&
+                  k.size(2) == L.head_dim && v.sizes() == k.sizes() &&
+                  v_cache.sizes() == k_cache.sizes() && slots.numel() == L.num_tokens &&
                   starts.numel() == L.num_reqs + 1 && lens.numel() == L.num_reqs,
               "paged_attention: shapes disagree");
   auto out = torch::empty_like(q);

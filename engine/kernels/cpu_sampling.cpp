@@ -1,6 +1,6 @@
 // Greedy sampling's argmax over a vocabulary of logits, for x86-64 CPUs with AVX2: torch's CPU
-// argmax takes ~3 ns per element (about half a millisecond per row of a 152k vocabulary, more in
-// bfloat16), as much as the rest of a decode step's sampling together; this one ~0.2 ns.
+// argmax compares one element at a time, as slow as the rest of a decode step's sampling over a
+// 152k vocabulary; this one finds the maximum 8 lanes at a time, then its first index.
 //
 // Same answer as torch.argmax(x, -1): the lowest index among equal maxima, and the first NaN if a
 // row has one. Rows are split across torch's thread pool.

@@ -198,9 +198,7 @@ class QuantLinear(nn.Module):
     def parts(self) -> list[QuantTensor]:
         return [
             QuantTensor(self._buffers[name], qtype, self.in_features, origin)
-            for name, qtype, origin in zip(
-                self.block_names, self.qtypes, self.origins, strict=True
-            )
+            for name, qtype, origin in zip(self.block_names, self.qtypes, self.origins, strict=True)
         ]
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -65,8 +65,14 @@ def test_cpu_kernel_steps_match_dense(query_lens, context_lens, head_dim):
     backend = get_attention_backend("cpu", torch.device("cpu"))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         case = make_case(
-            query_lens, context_lens, 16, num_heads=12, num_kv_heads=2, head_dim=head_dim,
-            dtype=dtype, seed=head_dim,
+            query_lens,
+            context_lens,
+            16,
+            num_heads=12,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            dtype=dtype,
+            seed=head_dim,
         )
         meta = backend.build_metadata(case.layout, torch.device("cpu"))
         assert isinstance(meta, CpuPagedMetadata)

@@ -316,3 +316,12 @@ def test_cli_stops_on_an_impossible_combination(monkeypatch):
     args = build_parser().parse_args(["serve", "--model", "m", "--attention-backend", "flash_attn"])
     with pytest.raises(SystemExit, match="specserve: attention backend flash_attn runs on cuda"):
         load_cli_settings(args.config, args)
+
+
+def test_dtype_auto_is_float32_where_gguf_blocks_are_served(monkeypatch):
+    cpu_node(monkeypatch)
+    config = EngineConfig(model="m")
+    assert config.torch_dtype(_checkpoint("bfloat16")) == torch.bfloat16
+    assert config.torch_dtype(_checkpoint("bfloat16"), quantized=True) == torch.float32
+    explicit = EngineConfig(model="m", dtype="bfloat16")
+    assert explicit.torch_dtype(_checkpoint("float32"), quantized=True) == torch.bfloat16

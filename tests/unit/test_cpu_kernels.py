@@ -208,11 +208,18 @@ def test_argmax_rows_matches_torch(dtype, width):
     assert torch.equal(kernels.argmax_rows(rows[::2]), rows[::2].argmax(dim=-1))  # strided rows
 
 
-def test_argmax_rows_falls_back_to_torch_off_its_shapes():
+def test_argmax_rows_falls_back_to_torch_off_its_shapes(monkeypatch):
+    class OnlyTwoDimensionalFloatRows:
+        def argmax_rows(self, x):
+            assert x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            return x.argmax(dim=-1)
+
+    monkeypatch.setattr(kernels, "cpu_kernels", OnlyTwoDimensionalFloatRows)
     one_row = torch.tensor([0.5, 2.0, 2.0])
     assert kernels.argmax_rows(one_row).item() == 1  # 1-D: torch's
     halves = torch.tensor([[0.5, 2.0, 2.0]], dtype=torch.float16)
     assert kernels.argmax_rows(halves).tolist() == [1]
+    assert kernels.argmax_rows(halves.float()).tolist() == [1]  # the kernel's shape
 
 
 def test_every_kernel_releases_the_gil():

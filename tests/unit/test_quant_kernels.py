@@ -127,14 +127,18 @@ def test_a_fused_projection_of_mixed_formats_is_one_product(module, rows):
     to ALWAYS_ROWS rows and per run past it: the same values as each run's own product side by
     side, plus the bias."""
     rng = np.random.default_rng(rows)
-    runs = [serving_layout(QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512))
-            for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))]
+    runs = [
+        serving_layout(QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512))
+        for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))
+    ]
     blocks, qtypes = [run.blocks for run in runs], [run.qtype for run in runs]
     bias = torch.randn(72).bfloat16()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     out = kernels.quant_linear(x, blocks, qtypes, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, 72)
-    alone = torch.cat([module.quant_linear(x, b, q) for b, q in zip(blocks, qtypes)], dim=1)
+    alone = torch.cat(
+        [module.quant_linear(x, b, q) for b, q in zip(blocks, qtypes, strict=True)], dim=1
+    )
     if rows <= kernels.ALWAYS_ROWS:
         assert torch.equal(out, alone + bias.float())
     else:  # each run by its timed route: equal up to the routes' summation order
