@@ -3,7 +3,9 @@
 `bf16_linear` (cpu_linear.cpp) multiplies a few activation rows by a bfloat16 weight with AVX2
 and FMA, converting the weight on the fly: decode and verify steps are these shapes, and their
 time is the weight bytes read. torch's own bfloat16 matmuls on a CPU without native bfloat16
-instructions convert through slower paths (`python bench/kernels.py` compares them).
+instructions convert through slower paths (`python bench/kernels.py` compares them). On a CPU
+with AVX-512 BF16 it multiplies bfloat16 pairs directly (VDPBF16PS, no conversion of the weight);
+SPECSERVE_CPU_ISA=avx2 keeps the AVX2 path there, and the start-up log names the one in use.
 
 The extension is built with torch's C++ extension tooling the first time a process needs it
 (a C++ compiler and ninja; about a minute), under <cache root>/kernels/, keyed by the source,
@@ -112,7 +114,12 @@ def _build() -> Any:
             build_directory=str(build_dir),
             verbose=False,
         )
-    logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    logger.info(
+        "CPU kernels ready in %.1f s (%s; bfloat16 linear: %s)",
+        time.perf_counter() - start,
+        build_dir,
+        module.cpu_isa(),
+    )
     return module
 
 

@@ -10,16 +10,58 @@
 // with MT activation rows held in registers; for more activation rows the group's weight rows
 // are read again from L1/L2, not from memory. Threads come from torch's own pool
 // (at::parallel_for), so the engine keeps one OpenMP team.
+//
+// On CPUs with AVX-512 BF16 (avx512_bf16_enabled) the same product runs on VDPBF16PS instead,
+// which multiplies 32 bfloat16 pairs exactly into float32 and adds them in one instruction, so
+// the weights need no conversion at all: activations that are bfloat16 are used as they are, and
+// float32 ones as three bfloat16 parts whose sum is exactly x (bf16_terms), so every product is
+// still exact and only the float32 summation order differs from the AVX2 path.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "simd.h"
+
+namespace {
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+bool isa_from_environment() {
+  const char* isa = std::getenv("SPECSERVE_CPU_ISA");
+  return cpu_has_avx512_bf16() && !(isa != nullptr && std::string(isa) == "avx2");
+}
+
+std::atomic<bool> g_avx512_bf16{isa_from_environment()};
+
+}  // namespace
+
+bool avx512_bf16_enabled() { return g_avx512_bf16.load(std::memory_order_relaxed); }
+
+// The bfloat16 linear's instruction set: "avx512bf16" or "avx2".
+std::string cpu_isa() { return avx512_bf16_enabled() ? "avx512bf16" : "avx2"; }
+
+// Switches the bfloat16 linear's instruction set (tests compare both paths; the engine keeps the
+// one decided at start) and returns the previous one. avx512bf16 is refused where the CPU lacks
+// it.
+std::string set_cpu_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "avx2" || isa == "avx512bf16", "set_cpu_isa: avx2 or avx512bf16 expected");
+  TORCH_CHECK(isa == "avx2" || cpu_has_avx512_bf16(), "set_cpu_isa: this CPU has no AVX-512 BF16");
+  const std::string previous = cpu_isa();
+  g_avx512_bf16.store(isa == "avx512bf16");
+  return previous;
+}
 
 namespace {
 
@@ -104,6 +146,143 @@ constexpr int64_t kRowBlock = 16;
 
 }  // namespace
 
+// ---------------------------------------------------------------------------- AVX-512 BF16
+// Compiled for AVX-512 here only, and only called where avx512_bf16_enabled(): the rest of the
+// extension stays AVX2 and loads on any x86-64 CPU with it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+torch::Tensor bf16_terms(const torch::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto xb = x.contiguous();
+    return xb.view(at::kShort).view({xb.size(0), 1, xb.size(1)});
+  }
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  auto terms = torch::empty({M, 3, K}, torch::dtype(torch::kInt16));
+  const float* src = xf.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint16_t*>(terms.data_ptr<int16_t>());
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = src + m * K;
+    uint16_t* out = dst + m * 3 * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xffff : static_cast<__mmask16>((1u << (K - k)) - 1);
+      // Truncation leaves a remainder of at most 16, then 8 significant bits: exact each time.
+      const __m512 v = _mm512_maskz_loadu_ps(mask, row + k);
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), high));
+      const __m512 r1 = _mm512_sub_ps(v, hi);
+      const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), high));
+      const __m512 lo = _mm512_sub_ps(r1, mid);
+      const __m512 parts[3] = {hi, mid, lo};
+      for (int t = 0; t < 3; ++t) {
+        const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[t]), 16));
+        _mm256_mask_storeu_epi16(out + t * K + k, mask, h);
+      }
+    }
+  }
+  return terms;
+}
+
+namespace {
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// NT weight rows [n, n + NT) times MT activation rows [m, m + MT), x as T bfloat16 terms
+// ([M, T, K]): NT * MT accumulators of 16 lanes, each taking 32 products per instruction.
+template <int T, int NT, int MT>
+inline void tile_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N,
+                      int64_t n, int64_t m) {
+  __m512 acc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~0u : (1u << (K - k)) - 1;  // zeros past K add nothing
+    __m512i wv[NT];
+    for (int i = 0; i < NT; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + i) * K + k + 512), _MM_HINT_T0);
+      wv[i] = _mm512_maskz_loadu_epi16(mask, w + (n + i) * K + k);
+    }
+    for (int j = 0; j < MT; ++j) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + ((m + j) * T + t) * K + k);
+        for (int i = 0; i < NT; ++i)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(wv[i]), as_bh(xv));
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) out[(m + j) * N + n + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int T, int NT>
+inline void tile_bf16_rows(int64_t mt, const uint16_t* x, const uint16_t* w, float* out, int64_t K,
+                           int64_t N, int64_t n, int64_t m) {
+  switch (mt) {
+    case 8: tile_bf16<T, NT, 8>(x, w, out, K, N, n, m); break;
+    case 7: tile_bf16<T, NT, 7>(x, w, out, K, N, n, m); break;
+    case 6: tile_bf16<T, NT, 6>(x, w, out, K, N, n, m); break;
+    case 5: tile_bf16<T, NT, 5>(x, w, out, K, N, n, m); break;
+    case 4: tile_bf16<T, NT, 4>(x, w, out, K, N, n, m); break;
+    case 3: tile_bf16<T, NT, 3>(x, w, out, K, N, n, m); break;
+    case 2: tile_bf16<T, NT, 2>(x, w, out, K, N, n, m); break;
+    default: tile_bf16<T, NT, 1>(x, w, out, K, N, n, m); break;
+  }
+}
+
+// As row_range: weight rows [n0, n1) in groups of NT against activation rows [m0, m1) in tiles
+// of up to 8 (2 x 8 accumulators of the 32 registers), as even as possible.
+template <int T, int NT>
+void row_range_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t m1,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t kMaxTile = NT <= 2 ? 8 : 1;
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) {
+    for (int64_t m = m0; m < m1;) {
+      const int64_t left = m1 - m;
+      const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
+      const int64_t mt = (left + tiles - 1) / tiles;
+      tile_bf16_rows<T, NT>(mt, x, w, out, K, N, n, m);
+      m += mt;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m) tile_bf16<T, 1, 1>(x, w, out, K, N, n, m);
+}
+
+template <int T>
+void bf16_linear_avx512(const uint16_t* xp, const uint16_t* wp, float* op, int64_t M, int64_t K,
+                        int64_t N) {
+  const int64_t group = M == 1 ? 4 : 2;
+  const int64_t num_groups = (N + group - 1) / group;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
+      const int64_t n0 = begin * group, n1 = std::min(N, end * group);
+      if (group == 4) {
+        row_range_bf16<T, 4>(xp, wp, op, m0, m1, K, N, n0, n1);
+      } else {
+        row_range_bf16<T, 2>(xp, wp, op, m0, m1, K, N, n0, n1);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// out [M, N] float32 = x @ weight.T by VDPBF16PS; x as bf16_terms.
+void dense_bf16dot(const torch::Tensor& terms, const uint16_t* wp, float* op, int64_t N) {
+  const int64_t M = terms.size(0), T = terms.size(1), K = terms.size(2);
+  const auto* xp = reinterpret_cast<const uint16_t*>(terms.data_ptr<int16_t>());
+  if (T == 1) {
+    bf16_linear_avx512<1>(xp, wp, op, M, K, N);
+  } else {
+    bf16_linear_avx512<3>(xp, wp, op, M, K, N);
+  }
+}
+
+#pragma GCC pop_options
+
 // x [M, K] (any float dtype), weight [N, K] bfloat16, bias [N] or empty -> [M, N] in x's dtype.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -111,11 +290,17 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
               "bf16_linear: a contiguous bfloat16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors expected");
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  if (avx512_bf16_enabled()) {
+    auto out = torch::empty({x.size(0), weight.size(0)}, torch::dtype(torch::kFloat32));
+    dense_bf16dot(bf16_terms(x), wp, out.data_ptr<float>(), weight.size(0));
+    if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+    return out.to(x.scalar_type());
+  }
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
   auto out = torch::empty({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   // Work in groups of 4 weight rows (one activation row: 4 rows in flight hide memory latency)
   // or 2 (more activation rows: 2 x up to 6 accumulators).
@@ -156,7 +341,10 @@ torch::Tensor argmax_rows(torch::Tensor x);
 // after): the engine thread computes a step while the server's event loop keeps streaming.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kFree = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bfloat16 weight (AVX2/FMA)",
+  m.def("bf16_linear", &bf16_linear,
+        "x @ weight.T (+ bias) with a bfloat16 weight (AVX-512 BF16 or AVX2/FMA)", kFree);
+  m.def("cpu_isa", &cpu_isa, "the bfloat16 linear's instruction set: avx512bf16 or avx2", kFree);
+  m.def("set_cpu_isa", &set_cpu_isa, "switch the bfloat16 linear's instruction set; returns the previous",
         kFree);
   m.def("dequantize", &dequantize, "GGUF blocks [N, bytes] of a GGML type -> float32 [N, K]",
         kFree);

@@ -1,6 +1,6 @@
-"""engine/kernels: the AVX2 bfloat16 linear against a float64 reference, and the dispatch that
-sends decode-shaped bfloat16 linears to it (and everything else, or everything when it cannot be
-built, to torch)."""
+"""engine/kernels: the bfloat16 linear (AVX2, and AVX-512 BF16 where the CPU has it) against a
+float64 reference, and the dispatch that sends decode-shaped bfloat16 linears to it (and
+everything else, or everything when it cannot be built, to torch)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,39 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(flag in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+
+
+ISAS = [
+    "avx2",
+    pytest.param(
+        "avx512bf16",
+        marks=pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="no AVX-512 BF16 here"),
+    ),
+]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """The bfloat16 linear on each instruction set this CPU has, the process's own restored."""
+    module = kernels.cpu_kernels()
+    assert module is not None
+    previous = module.set_cpu_isa(request.param)
+    yield request.param
+    module.set_cpu_isa(previous)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 19])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (7, 13), (33, 64), (130, 203)])
-def test_bf16_linear_matches_float64(rows, out_features, in_features):
+def test_bf16_linear_matches_float64(isa, rows, out_features, in_features):
     module = kernels.cpu_kernels()
-    assert module is not None
+    assert module is not None and module.cpu_isa() == isa
     gen = torch.Generator(device="cpu").manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen, device="cpu").bfloat16()
     bias = torch.randn(out_features, generator=gen, device="cpu").bfloat16()
@@ -39,6 +66,48 @@ def test_bf16_linear_matches_float64(rows, out_features, in_features):
     assert with_bias.dtype == torch.bfloat16
     ref_bias = x.bfloat16().double() @ weight.double().t() + bias.double()
     torch.testing.assert_close(with_bias.double(), ref_bias, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_linear_computes_a_row_alike_whatever_the_batch(isa, dtype):
+    # A verify step's row must equal the decode step's for the same input (lossless speculation):
+    # each output has one order of summation, whichever tile its row falls in.
+    module = kernels.cpu_kernels()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    weight = torch.randn(37, 300, generator=gen, device="cpu").bfloat16()
+    x = torch.randn(13, 300, generator=gen, device="cpu").to(dtype)
+    together = module.bf16_linear(x, weight, None)
+    for i in range(13):
+        assert torch.equal(module.bf16_linear(x[i : i + 1], weight, None)[0], together[i])
+
+
+@needs_kernels
+def test_bf16_linear_float32_activations_are_used_exactly_on_avx512():
+    """On the AVX-512 BF16 path float32 activations are split into three bfloat16 parts whose sum
+    is exactly x: a product with a weight that is a power of two is then exact."""
+    if not _cpu_has_avx512_bf16():
+        pytest.skip("no AVX-512 BF16 here")
+    module = kernels.cpu_kernels()
+    previous = module.set_cpu_isa("avx512bf16")
+    try:
+        x = torch.randn(3, 64, generator=torch.Generator(device="cpu").manual_seed(1))
+        weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+        weight[torch.arange(64), torch.arange(64)] = 0.5  # x @ W.T == x / 2 exactly
+        assert torch.equal(module.bf16_linear(x, weight, None), x / 2)
+    finally:
+        module.set_cpu_isa(previous)
+
+
+@needs_kernels
+def test_set_cpu_isa_takes_only_the_known_instruction_sets():
+    module = kernels.cpu_kernels()
+    assert module.cpu_isa() in ("avx2", "avx512bf16")
+    with pytest.raises(RuntimeError, match="avx2 or avx512bf16"):
+        module.set_cpu_isa("sse2")
+    if not _cpu_has_avx512_bf16():
+        with pytest.raises(RuntimeError, match="no AVX-512 BF16"):
+            module.set_cpu_isa("avx512bf16")
 
 
 @needs_kernels
