@@ -608,7 +608,9 @@ def test_cancelled_streams_abort_their_requests(server):
         asyncio.run(run_all())
         state = wait_idle(server)
     assert state == IDLE
-    assert len(seen["added"]) == num_streams
+    # The 25 that read a token reached the engine; a client that gave up sooner may have left
+    # before its request did (how many depends on the machine's load), and then none is made.
+    assert num_streams // 2 <= len(seen["added"]) <= num_streams
     assert sorted(seen["aborted"]) == sorted(seen["added"])  # none ran to its 400 tokens
     after = _client(server).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
     assert after.usage.completion_tokens == 4
