@@ -116,33 +116,61 @@ inline void tile_rows(int64_t mt, const float* x, const uint16_t* w, float* out,
   }
 }
 
-// Weight rows [n0, n1) against activation rows [m0, m1). With 2 weight rows per group the
-// activation rows go in tiles of up to 6 (12 accumulators), as even as possible (9 rows: 5 + 4,
-// not 6 + 2 + 1): every weight load is then shared by as many multiply-adds as the registers
-// allow, which is what bounds these shapes once they stop being bandwidth-bound.
-template <int NT>
-void row_range(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t m1, int64_t K,
-               int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t kMaxTile = NT <= 2 ? 6 : 1;
+// Weight rows [n0, n1) in groups of NT against activation rows [m0, m1) in tiles of up to
+// max_tile rows, as even as possible (9 rows in tiles of 6: 5 + 4, not 6 + 2 + 1): every weight
+// load is then shared by as many multiply-adds as the registers allow, which is what bounds these
+// shapes once they stop being bandwidth-bound. tile(group, mt, n, m) computes one tile; weight
+// rows left over past the last whole group go one at a time, tile(false, 1, n, m).
+template <int NT, class F>
+inline void for_each_tile(int64_t max_tile, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                          F&& tile) {
   int64_t n = n0;
   for (; n + NT <= n1; n += NT) {
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m;
-      const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
+      const int64_t tiles = (left + max_tile - 1) / max_tile;
       const int64_t mt = (left + tiles - 1) / tiles;
-      tile_rows<NT>(mt, x, w, out, K, N, n, m);
+      tile(true, mt, n, m);
       m += mt;
     }
   }
-  for (; n < n1; ++n) {
-    for (int64_t m = m0; m < m1; ++m) tile<1, 1>(x, w, out, K, N, n, m);
-  }
+  for (; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m) tile(false, 1, n, m);
+}
+
+// With 2 weight rows per group the activation rows go in tiles of up to 6 (12 accumulators).
+template <int NT>
+void row_range(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t m1, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
+  for_each_tile<NT>(NT <= 2 ? 6 : 1, m0, m1, n0, n1, [&](bool group, int64_t mt, int64_t n, int64_t m) {
+    if (group) {
+      tile_rows<NT>(mt, x, w, out, K, N, n, m);
+    } else {
+      tile<1, 1>(x, w, out, K, N, n, m);
+    }
+  });
 }
 
 // Activation rows per pass over the weights: a block of them (16 x K floats, 573 KB at K 8960)
 // stays in L2 while every weight row is multiplied with it, and the weights are streamed once
 // per block.
 constexpr int64_t kRowBlock = 16;
+
+// The activation rows in blocks of kRowBlock, each against all the weight rows split among the
+// threads in groups of 4 (one activation row: 4 weight rows in flight hide memory latency) or 2
+// (more activation rows: 2 x a tile of accumulators). range(group, m0, m1, n0, n1) computes one
+// thread's share of one block.
+template <class F>
+void split_rows(int64_t M, int64_t N, F&& range) {
+  const int64_t group = M == 1 ? 4 : 2;
+  const int64_t num_groups = (N + group - 1) / group;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
+      range(group, m0, m1, begin * group, std::min(N, end * group));
+    });
+  }
+}
 
 }  // namespace
 
@@ -230,42 +258,29 @@ inline void tile_bf16_rows(int64_t mt, const uint16_t* x, const uint16_t* w, flo
   }
 }
 
-// As row_range: weight rows [n0, n1) in groups of NT against activation rows [m0, m1) in tiles
-// of up to 8 (2 x 8 accumulators of the 32 registers), as even as possible.
+// As row_range, in tiles of up to 8 activation rows (2 x 8 accumulators of the 32 registers).
 template <int T, int NT>
 void row_range_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t m1,
                     int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t kMaxTile = NT <= 2 ? 8 : 1;
-  int64_t n = n0;
-  for (; n + NT <= n1; n += NT) {
-    for (int64_t m = m0; m < m1;) {
-      const int64_t left = m1 - m;
-      const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
-      const int64_t mt = (left + tiles - 1) / tiles;
+  for_each_tile<NT>(NT <= 2 ? 8 : 1, m0, m1, n0, n1, [&](bool group, int64_t mt, int64_t n, int64_t m) {
+    if (group) {
       tile_bf16_rows<T, NT>(mt, x, w, out, K, N, n, m);
-      m += mt;
+    } else {
+      tile_bf16<T, 1, 1>(x, w, out, K, N, n, m);
     }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = m0; m < m1; ++m) tile_bf16<T, 1, 1>(x, w, out, K, N, n, m);
+  });
 }
 
 template <int T>
 void bf16_linear_avx512(const uint16_t* xp, const uint16_t* wp, float* op, int64_t M, int64_t K,
                         int64_t N) {
-  const int64_t group = M == 1 ? 4 : 2;
-  const int64_t num_groups = (N + group - 1) / group;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t m1 = std::min(M, m0 + kRowBlock);
-    at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
-      const int64_t n0 = begin * group, n1 = std::min(N, end * group);
-      if (group == 4) {
-        row_range_bf16<T, 4>(xp, wp, op, m0, m1, K, N, n0, n1);
-      } else {
-        row_range_bf16<T, 2>(xp, wp, op, m0, m1, K, N, n0, n1);
-      }
-    });
-  }
+  split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (group == 4) {
+      row_range_bf16<T, 4>(xp, wp, op, m0, m1, K, N, n0, n1);
+    } else {
+      row_range_bf16<T, 2>(xp, wp, op, m0, m1, K, N, n0, n1);
+    }
+  });
 }
 
 }  // namespace
@@ -302,21 +317,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   auto out = torch::empty({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Work in groups of 4 weight rows (one activation row: 4 rows in flight hide memory latency)
-  // or 2 (more activation rows: 2 x up to 6 accumulators).
-  const int64_t group = M == 1 ? 4 : 2;
-  const int64_t num_groups = (N + group - 1) / group;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t m1 = std::min(M, m0 + kRowBlock);
-    at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
-      const int64_t n0 = begin * group, n1 = std::min(N, end * group);
-      if (group == 4) {
-        row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
-      } else {
-        row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
-      }
-    });
-  }
+  split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (group == 4) {
+      row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
+    } else {
+      row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
+    }
+  });
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
