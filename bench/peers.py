@@ -587,16 +587,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     settings, args = parse_args(argv)
     out = ROOT / args.out
-    previous = {}
+    previous: dict[str, Any] = {}
     if out.is_file() and not args.fresh:
-        previous = json.loads(out.read_text()).get("engines", {})
+        kept = json.loads(out.read_text())
+        previous = kept.get("engines", {})
+        for result in previous.values():  # runs before each entry named its own CPU
+            result.setdefault("cpu", kept.get("machine", {}).get("cpu"))
     engines = {
         n: r for n, r in previous.items() if n in setup.ENGINES and n not in settings.engines
     }
     families = spec_families()
+    this_cpu = machine_info(settings)["cpu"]
     for name in settings.engines:
         logger.info("=== %s", name)
-        engines[name] = bench_engine(name, settings, families)
+        # The CPU each column ran on: a kept column may come from another machine of this kind.
+        engines[name] = {**bench_engine(name, settings, families), "cpu": this_cpu}
         payload = {
             "settings": dataclasses.asdict(settings),
             "machine": machine_info(settings),
