@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.memory import log_memory, plan_for
+from engine.memory import log_memory, plan_for, release_freed_heap
 from engine.metrics import EngineMetrics
 from engine.models.bundled import resolve_model
 from engine.output_processor import RequestGroup, append_tokens, new_group
@@ -84,6 +84,7 @@ class LLMEngine:
             # The draft's multi-token forwards are catch-up prompt chunks: decode graphs only.
             self.draft_runner.allocate_kv_cache(num_blocks, max_query_len=1)
         log_memory(plan, runners, config.block_size)
+        release_freed_heap()  # what loading freed, out of the resident set
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from engine.memory import DEFAULT_CPU_KV_MEMORY, GiB, activation_bytes, plan_kv_cache
+from engine.memory import (
+    DEFAULT_CPU_KV_MEMORY,
+    GiB,
+    activation_bytes,
+    plan_kv_cache,
+    release_freed_heap,
+)
 
 MiB = 2**20
 
@@ -86,3 +95,35 @@ def test_activation_reserve_formula():
     # Layer: 3*4096 + 2*4096 + 2*1024 + 3*14336 = 65536 values a token; logits: bf16 + 3 fp32.
     expected = 2048 * 2 * 65536 + 512 * 128256 * (2 + 12)
     assert activation_bytes(cfg, 2, num_tokens=2048, num_logit_rows=512) == expected
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_freed_heap_gives_freed_pages_back():
+    """What loading frees stays resident in glibc's arenas until trimmed: 100 MiB freed between
+    live allocations (so the heap's top cannot shrink by itself) leave the resident set only when
+    release_freed_heap runs."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 << 10  # below glibc's mmap threshold: from the heap
+    chunks, keepers = [], []
+    for _ in range(1600):
+        chunks.append(libc.malloc(size))
+        ctypes.memset(chunks[-1], 1, size)
+        keepers.append(libc.malloc(1024))  # stays live: the freed chunks cannot merge
+    for chunk in chunks:
+        libc.free(chunk)
+    before = _resident_bytes()
+    assert release_freed_heap()
+    after = _resident_bytes()
+    for keeper in keepers:
+        libc.free(keeper)
+    assert before - after > 50 << 20
