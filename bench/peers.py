@@ -396,8 +396,14 @@ def bench_engine(name: str, settings: BenchSettings, families: dict[str, list[st
         try:
             with serving(command, logs / f"{name}-{spec}.log", settings.startup_timeout) as rss:
                 ready = time.perf_counter() - start
+                ready_rss = tree_rss_bytes(rss.pid)
                 figures = asyncio.run(_measure(url, spec, settings, families))
-            servers[spec] = {**figures, "ready_s": ready, "peak_rss_gib": rss.peak / 2**30}
+            servers[spec] = {
+                **figures,
+                "ready_s": ready,
+                "ready_rss_gib": ready_rss / 2**30,
+                "peak_rss_gib": rss.peak / 2**30,
+            }
         except Exception as e:  # noqa: BLE001 - one broken server must not end a long run
             logger.exception("%s %s failed", name, spec)
             servers[spec] = {"failed": str(e)[-2000:]}
@@ -440,6 +446,7 @@ def table_rows(
         ("spec off (code edit / copy / open chat)", fam("off"), 1),
         ("draft model (code edit / copy / open chat)", fam("draft_model"), 1),
         ("n-gram (code edit / copy / open chat)", fam("ngram"), 1),
+        ("RSS at ready, spec off (GiB)", off.get("ready_rss_gib"), 2),
         ("peak RSS, spec off (GiB)", off.get("peak_rss_gib"), 2),
     ]
 
@@ -597,14 +604,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         n: r for n, r in previous.items() if n in setup.ENGINES and n not in settings.engines
     }
     families = spec_families()
-    this_cpu = machine_info(settings)["cpu"]
     for name in settings.engines:
         logger.info("=== %s", name)
+        result = bench_engine(name, settings, families)
+        machine = machine_info(settings)  # after the install: the peer's version is known
         # The CPU each column ran on: a kept column may come from another machine of this kind.
-        engines[name] = {**bench_engine(name, settings, families), "cpu": this_cpu}
+        engines[name] = {**result, "cpu": machine["cpu"]}
         payload = {
             "settings": dataclasses.asdict(settings),
-            "machine": machine_info(settings),
+            "machine": machine,
             "engines": engines,
         }
         out.parent.mkdir(parents=True, exist_ok=True)

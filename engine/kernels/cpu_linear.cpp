@@ -45,9 +45,11 @@ bool isa_from_environment() {
 
 std::atomic<bool> g_avx512_bf16{isa_from_environment()};
 
-}  // namespace
-
+// Whether bf16_linear takes its AVX-512 BF16 path: decided once per process (the CPU has AVX-512
+// F/BW/VL and BF16, and SPECSERVE_CPU_ISA does not say avx2); set_cpu_isa switches it.
 bool avx512_bf16_enabled() { return g_avx512_bf16.load(std::memory_order_relaxed); }
+
+}  // namespace
 
 // The bfloat16 linear's instruction set: "avx512bf16" or "avx2".
 std::string cpu_isa() { return avx512_bf16_enabled() ? "avx512bf16" : "avx2"; }
@@ -180,6 +182,11 @@ void split_rows(int64_t M, int64_t N, F&& range) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
+namespace {
+
+// x [M, K] as bfloat16 "terms", [M, T, K] int16: x itself when it is bfloat16 (T = 1), else x
+// split exactly into three bfloat16 parts (T = 3; hi + mid + lo == x, and a part times a bfloat16
+// weight is exact in float32).
 torch::Tensor bf16_terms(const torch::Tensor& x) {
   if (x.scalar_type() == at::kBFloat16) {
     const auto xb = x.contiguous();
@@ -211,8 +218,6 @@ torch::Tensor bf16_terms(const torch::Tensor& x) {
   }
   return terms;
 }
-
-namespace {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
@@ -306,24 +311,22 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
               "bf16_linear: a contiguous bfloat16 weight expected");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors expected");
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  if (avx512_bf16_enabled()) {
-    auto out = torch::empty({x.size(0), weight.size(0)}, torch::dtype(torch::kFloat32));
-    dense_bf16dot(bf16_terms(x), wp, out.data_ptr<float>(), weight.size(0));
-    if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
-    return out.to(x.scalar_type());
-  }
-  const auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
-  auto out = torch::empty({M, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, torch::dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
-  split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    if (group == 4) {
-      row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
-    } else {
-      row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
-    }
-  });
+  if (avx512_bf16_enabled()) {
+    dense_bf16dot(bf16_terms(x), wp, op, N);
+  } else {
+    const auto xf = x.to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+      if (group == 4) {
+        row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
+      } else {
+        row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
+      }
+    });
+  }
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }

@@ -1,23 +1,12 @@
 // AVX2 helpers shared by the CPU kernels (each .cpp includes this once, inside no namespace of
-// its own: the functions are inline and file-local in effect), and the AVX-512 BF16 switch.
+// its own: the functions are inline and file-local in effect).
 
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <cstdint>
-
-// Whether bf16_linear takes its AVX-512 BF16 path (cpu_linear.cpp decides once per process: the
-// CPU has AVX-512 F/BW/VL and BF16, and SPECSERVE_CPU_ISA does not say avx2).
-bool avx512_bf16_enabled();
-
-// x [M, K] as bfloat16 "terms" for the AVX-512 BF16 dot products, [M, T, K] int16: x itself
-// when it is bfloat16 (T = 1), else float32 x split exactly into three bfloat16 parts (T = 3;
-// hi + mid + lo == x, each product of a part with a weight of at most 8 significant bits exact
-// in float32). Needs avx512_bf16_enabled().
-torch::Tensor bf16_terms(const torch::Tensor& x);
 
 namespace {
 

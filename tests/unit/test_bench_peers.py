@@ -127,6 +127,7 @@ def _servers(decode, ttft, s4, s16, rss, families):
     return {
         "off": {
             **off,
+            "ready_rss_gib": rss - 0.5,
             "peak_rss_gib": rss,
             "families": dict(zip(P.FAMILIES, families[0], strict=True)),
         },
@@ -162,7 +163,8 @@ def test_format_report_columns_rows_and_ratios():
         lines[8]
         == "| n-gram (code edit / copy / open chat) | 50.0 / 60.0 / 20.0 | - / - / - | 40.0 / 40.0 / 40.0 |"
     )
-    assert lines[9] == "| peak RSS, spec off (GiB) | 3.50 | - | 1.00 |"
+    assert lines[9] == "| RSS at ready, spec off (GiB) | 3.00 | - | 0.50 |"
+    assert lines[10] == "| peak RSS, spec off (GiB) | 3.50 | - | 1.00 |"
     ratios = lines[lines.index("| specserve / peer | vLLM-CPU | llama.cpp Q4_K_M |") :]
     assert ratios[2] == "| batch-1 decode | - | 0.50x |"
     assert ratios[5] == "| 16 streams | - | 1.12x |"
