@@ -37,7 +37,9 @@ _SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_linear.cpp", "cpu_quant.cpp", "cpu_layer.cpp", "cpu_sampling.cpp")
 )
-_HEADERS = (Path(__file__).with_name("simd.h"),)  # part of the build key, not compiled alone
+_HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("simd.h", "quant_products.h")
+)  # part of the build key, not compiled alone
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
 # Re-entrant: timing a route may build the kernels (cpu_kernels), which takes it too.
@@ -115,10 +117,11 @@ def _build() -> Any:
             verbose=False,
         )
     logger.info(
-        "CPU kernels ready in %.1f s (%s; bfloat16 linear: %s)",
+        "CPU kernels ready in %.1f s (%s; bfloat16 linear: %s; GGUF linear batches: %s)",
         time.perf_counter() - start,
         build_dir,
         module.cpu_isa(),
+        module.quant_isa(),
     )
     return module
 

@@ -334,6 +334,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 // cpu_quant.cpp
 torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype);
+std::string quant_isa();
 torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> parts,
                                  std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K);
@@ -358,6 +359,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kFree);
   m.def("dequantize", &dequantize, "GGUF blocks [N, bytes] of a GGML type -> float32 [N, K]",
         kFree);
+  m.def("quant_isa", &quant_isa, "the GGUF linear's instruction set for batches: avx512 or avx2", kFree);
   m.def("quant_linear", &quant_linear, "x @ dequantize(blocks).T in float32 (AVX2/FMA/F16C)",
         kFree);
   m.def("quant_linear_parts", &quant_linear_parts,

@@ -24,7 +24,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -46,45 +48,17 @@ inline __m256i bytes8_i32(const uint8_t* p) {  // 8 bytes sign-extended to 8 int
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One group of 32 weights: q[0..3] hold q for weights 0-7, 8-15, 16-23, 24-31 (integer-valued
-// floats, the format's zero point already subtracted), weights 0-15 scale by s0 and 16-31 by s1,
-// and mm is subtracted from every weight (0 where the format has no offset).
-struct Group {
-  __m256 q[4];
-  float s0, s1, mm;
-};
+// Each format: kWeights per block, kBytes per block and kHasOffset (whether its weights have an
+// offset mm: weight = s * q - mm). Their groups of 32 are decoded by `decode` (quant_products.h).
 
-// Each format: kWeights per block, kBytes per block, kHasOffset (whether mm can be nonzero), and
-// group(block, g, out) for g in [0, kWeights / 32).
-
-struct Q4_0 {
+struct Q4_0 {  // weight = d * (q - 8), q in nibbles
   static constexpr int kWeights = 32, kBytes = 18;
   static constexpr bool kHasOffset = false;
-  static inline void group(const uint8_t* b, int, Group& out) {
-    const float d = f16(b);
-    const __m256i lo = bytes8_u32(b + 2), hi = bytes8_u32(b + 10), mask = _mm256_set1_epi32(15);
-    const __m256i eight = _mm256_set1_epi32(8);
-    out.q[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(lo, mask), eight));
-    out.q[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(hi, mask), eight));
-    out.q[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(lo, 4), eight));
-    out.q[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(hi, 4), eight));
-    out.s0 = out.s1 = d;
-    out.mm = 0.0f;
-  }
 };
 
 struct Q4_1 {  // weight = d * q + m
   static constexpr int kWeights = 32, kBytes = 20;
   static constexpr bool kHasOffset = true;
-  static inline void group(const uint8_t* b, int, Group& out) {
-    const __m256i lo = bytes8_u32(b + 4), hi = bytes8_u32(b + 12), mask = _mm256_set1_epi32(15);
-    out.q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
-    out.q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
-    out.q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-    out.q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-    out.s0 = out.s1 = f16(b);
-    out.mm = -f16(b + 2);
-  }
 };
 
 // Q5_0 and Q6_K are served re-laid out (repack_q5_0, repack_q6_k below): their own layouts are
@@ -96,11 +70,6 @@ struct Q5_0 {  // 4 low bits in nibbles, the fifth in a 32-bit mask; weight = d 
 struct Q8_0 {  // weight = d * q, q int8
   static constexpr int kWeights = 32, kBytes = 34;
   static constexpr bool kHasOffset = false;
-  static inline void group(const uint8_t* b, int, Group& out) {
-    for (int i = 0; i < 4; ++i) out.q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 2 + 8 * i));
-    out.s0 = out.s1 = f16(b);
-    out.mm = 0.0f;
-  }
 };
 
 struct Q4_K {  // super-block: d, dmin, 8 six-bit (scale, min) pairs, 256 nibbles
@@ -118,16 +87,41 @@ struct Q6_K {  // super-block: 128 bytes of low nibbles, 64 of high bit pairs, 1
 struct Q6_K8 {
   static constexpr int kWeights = 256, kBytes = 274;
   static constexpr bool kHasOffset = false;
-  static inline void group(const uint8_t* b, int g, Group& out) {
-    const auto* scales = reinterpret_cast<const int8_t*>(b + 256);
-    const float d = f16(b + 272);
-    for (int i = 0; i < 4; ++i) out.q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 32 * g + 8 * i));
-    out.s0 = d * static_cast<float>(scales[2 * g]);
-    out.s1 = d * static_cast<float>(scales[2 * g + 1]);
-    out.mm = 0.0f;
-  }
 };
 constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
+
+// How far ahead of the block being multiplied its row is prefetched, in bytes: enough to cover
+// memory's latency at one core's rate whatever the block size. (8 blocks ahead, as this was,
+// is 272 bytes of Q8_0, and a single row's product waited on memory: bench/decode.py timed the
+// 0.5B draft, Q8_0 blocks mostly, 1.18x faster at 4 KiB.)
+constexpr int64_t kPrefetchAhead = 4096;
+
+// One activation row per 8-lane register: the AVX2 form of the products, and the dequantiser's.
+struct Y8 {
+  using T = __m256;
+  using I = __m256i;
+  static constexpr int kRows = 1;
+  static I u8(const uint8_t* p) { return bytes8_u32(p); }
+  static I i8(const uint8_t* p) { return bytes8_i32(p); }
+  static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+  static I high4(I v) { return _mm256_srli_epi32(v, 4); }
+  static T cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T set1(float s) { return _mm256_set1_ps(s); }
+  // From memory: a load-port broadcast (set1 of a value just stored may become shuffles).
+  static T broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void sums(T v, float* out) { out[0] = horizontal_sum(v); }
+};
+
+namespace avx2 {
+using V = Y8;
+#include "quant_products.h"
+}  // namespace avx2
 
 // ---------------------------------------------------------------------------- dequantize
 
@@ -168,8 +162,8 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
           q4k_dequantize(b, out + r * K + bi * Q::kWeights);
         } else {
           for (int g = 0; g < Q::kWeights / 32; ++g) {
-            Group grp;
-            Q::group(b, g, grp);
+            avx2::Group grp;
+            avx2::decode(Q{}, b, g, grp);
             float* dst = out + r * K + bi * Q::kWeights + 32 * g;
             const __m256 mm = _mm256_set1_ps(grp.mm);
             for (int i = 0; i < 4; ++i) {
@@ -187,151 +181,126 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
 
 // ---------------------------------------------------------------------------- linear
 
-// The products below keep the group decoding of `Group` but work a block at a time, so the
-// per-block values (scales, offsets) are unpacked once, with vector operations, and the
-// accumulators are split (acc[j][0], acc[j][1]) so consecutive multiply-adds do not wait on each
-// other. x points at the block's first column of activation row 0 (rows K floats apart); xs at the
-// block's first group sum of row 0 (rows G floats apart).
-
-inline __m256 dot4(const __m256* q, const float* x) {  // sum over 32 weights, 8 lanes
-  __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-  t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), t);
-  t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), t);
-  return _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), t);
+// f(std::integral_constant<int, size>()) for 1 <= size <= Max.
+template <int Max, class F>
+void with_size(int64_t size, F&& f) {
+  if constexpr (Max > 1) {
+    if (size < Max) return with_size<Max - 1>(size, f);
+  }
+  f(std::integral_constant<int, Max>());
 }
 
-// Formats of one group per block (Q4_0, Q4_1, Q5_0, Q8_0): parity alternates the accumulator.
-template <class Q, int MT>
-inline void small_block(const uint8_t* b, const float* x, const float* xs, int64_t K, int64_t G,
-                        int parity, __m256 (*acc)[2], float* off) {
-  Group grp;
-  Q::group(b, 0, grp);
-  const __m256 s = _mm256_set1_ps(grp.s0);
-  for (int j = 0; j < MT; ++j) {
-    acc[j][parity] = _mm256_fmadd_ps(s, dot4(grp.q, x + j * K), acc[j][parity]);
-    if (Q::kHasOffset) off[j] += grp.mm * xs[j * G];
+// f(first, size) for consecutive tiles covering [0, count), each at most Max long and as even as
+// possible; size is a std::integral_constant, so f can instantiate a kernel per tile size.
+template <int Max, class F>
+void for_tiles(int64_t count, F&& f) {
+  for (int64_t first = 0; first < count;) {
+    const int64_t tiles = (count - first + Max - 1) / Max;
+    const int64_t size = (count - first + tiles - 1) / tiles;
+    with_size<Max>(size, [&](auto n) { f(first, n); });
+    first += size;
   }
 }
 
-template <int MT>
-inline void q4k_block(const uint8_t* b, const float* x, const float* xs, int64_t K, int64_t G,
-                      __m256 (*acc)[2], __m256* off) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, sizeof(u));
-  // The eight 6-bit scales and mins (gguf's get_scale_min), four bytes at a time.
-  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
-  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
-                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
-  alignas(32) float scale[8];
-  const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
-  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
-  const __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
-  for (int j = 0; j < MT; ++j) off[j] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + j * G), off[j]);
-  const uint8_t* qs = b + 16;
-  const __m256i mask = _mm256_set1_epi32(15);
-  for (int c = 0; c < 4; ++c) {  // 32 bytes: group 2c in the low nibbles, 2c + 1 in the high
-    __m256 lo[4], hi[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m256i v = bytes8_u32(qs + 32 * c + 8 * i);
-      lo[i] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-      hi[i] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    }
-    const __m256 s_lo = _mm256_broadcast_ss(scale + 2 * c), s_hi = _mm256_broadcast_ss(scale + 2 * c + 1);
-    for (int j = 0; j < MT; ++j) {
-      const float* xj = x + j * K + 64 * c;
-      acc[j][0] = _mm256_fmadd_ps(s_lo, dot4(lo, xj), acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(s_hi, dot4(hi, xj + 32), acc[j][1]);
-    }
-  }
+// Whether the CPU has AVX-512 F and DQ and SPECSERVE_CPU_ISA does not say avx2: then batches of
+// kPairRows rows or more take the two-rows-per-register form. Decided once per process.
+bool quant_avx512_from_environment() {
+  __builtin_cpu_init();
+  const char* isa = std::getenv("SPECSERVE_CPU_ISA");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         !(isa != nullptr && std::string(isa) == "avx2");
+}
+const bool g_quant_avx512 = quant_avx512_from_environment();
+
+// From this many activation rows on, the AVX-512 form is faster: below it a block's decoding,
+// not the multiply-adds, bounds the product, and AVX2 has three vector ports to AVX-512's two.
+// Row pairs per pass over a weight row in the AVX-512 form: past 4, registers spill. Both chosen
+// on an AVX-512 Xeon (GB/s of weights at 1-16 rows, Q4_K, Q6_K8 and Q8_0): 2 rows were slower
+// as a pair than as AVX2 rows; 6 and 8 pairs per pass slower than 3 + 3 and 4 + 4.
+constexpr int64_t kPairRows = 4;
+constexpr int64_t kMaxPairs = 4;
+
+// Rows [0, 2 * pairs) of x [M, K] as pairs, 8 columns of one row then the same 8 of the next.
+void interleave_pairs(const float* x, int64_t pairs, int64_t K, float* out) {
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t k = 0; k < K; k += 8)
+      for (int r = 0; r < 2; ++r)
+        std::memcpy(out + 2 * p * K + 2 * k + 8 * r, x + (2 * p + r) * K + k, 8 * sizeof(float));
 }
 
-template <int MT>
-inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, __m256 (*acc)[2]) {
-  alignas(32) float scale[16];
-  const __m256 d = _mm256_set1_ps(f16(b + 272));
-  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 256))));
-  _mm256_store_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 264))));
-  for (int g = 0; g < 8; ++g) {
-    __m256 q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi32_ps(bytes8_i32(b + 32 * g + 8 * i));
-    const __m256 s0 = _mm256_broadcast_ss(scale + 2 * g), s1 = _mm256_broadcast_ss(scale + 2 * g + 1);
-    for (int j = 0; j < MT; ++j) {
-      const float* xj = x + j * K + 32 * g;
-      __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
-      t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xj + 8), t0);
-      __m256 t1 = _mm256_mul_ps(q[2], _mm256_loadu_ps(xj + 16));
-      t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xj + 24), t1);
-      acc[j][g & 1] = _mm256_fmadd_ps(s0, t0, acc[j][g & 1]);
-      acc[j][g & 1] = _mm256_fmadd_ps(s1, t1, acc[j][g & 1]);
-    }
+// Compiled for AVX-512 here only, and only called where g_quant_avx512: the rest of the file
+// stays AVX2, so the extension still loads on CPUs without AVX-512.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq")
+
+// Two activation rows per 16-lane register, the weights repeated in both halves: 8 bytes are
+// loaded into both 64-bit halves of a 128-bit register (a load, no shuffle) and widened to 16
+// lanes.
+struct Z16 {
+  using T = __m512;
+  using I = __m512i;
+  static constexpr int kRows = 2;
+  static __m128i twice(const uint8_t* p) {
+    return _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(p)));
   }
+  static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(twice(p)); }
+  static I i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(twice(p)); }
+  static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+  static I high4(I v) { return _mm512_srli_epi32(v, 4); }
+  static T cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T set1(float s) { return _mm512_set1_ps(s); }
+  static T broadcast(const float* p) { return _mm512_broadcastss_ps(_mm_load_ss(p)); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static void sums(T v, float* out) {
+    out[0] = horizontal_sum(_mm512_castps512_ps256(v));
+    out[1] = horizontal_sum(_mm512_extractf32x8_ps(v, 1));
+  }
+};
+
+namespace avx512 {
+using V = Z16;
+#include "quant_products.h"
+}  // namespace avx512
+
+// Output columns [n0, n1) for activation rows [0, 2 * pairs), xi their interleave_pairs.
+template <class Q>
+void dot_rows_pairs(const uint8_t* w, int64_t row_bytes, const float* xi, const float* xsum,
+                    int64_t K, int64_t ld, int64_t n0, int64_t n1, int64_t pairs, float* out) {
+  for_tiles<kMaxPairs>(pairs, [&](int64_t first, auto size) {
+    for (int64_t n = n0; n < n1; ++n)
+      avx512::dot_row<Q, decltype(size)::value>(w + n * row_bytes, xi, xsum, K, ld, n, 2 * first, out);
+  });
 }
 
-// How far ahead of the block being multiplied its row is prefetched, in bytes: enough to cover
-// memory's latency at one core's rate whatever the block size. (8 blocks ahead, as this was,
-// is 272 bytes of Q8_0, and a single row's product waited on memory: bench/decode.py timed the
-// 0.5B draft, Q8_0 blocks mostly, 1.18x faster at 4 KiB.)
-constexpr int64_t kPrefetchAhead = 4096;
+#pragma GCC pop_options
 
-// Output row n (one weight row) for activation rows [m, m + MT): each block is decoded once and
-// used by all MT rows. xsum[m][g] = sum of x[m] over group g.
-template <class Q, int MT>
-inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t ld,
-                    int64_t n, int64_t m, float* out) {
-  const int64_t num_blocks = K / Q::kWeights, G = K / 32;
-  __m256 acc[MT][2], off_v[MT];
-  float off[MT];
-  for (int j = 0; j < MT; ++j) {
-    acc[j][0] = acc[j][1] = off_v[j] = _mm256_setzero_ps();
-    off[j] = 0.0f;
-  }
-  const float* xm = x + m * K;
-  const float* xsm = xsum + m * G;
-  for (int64_t bi = 0; bi < num_blocks; ++bi) {
-    const uint8_t* b = w + bi * Q::kBytes;
-    const int64_t k = bi * Q::kWeights;
-    for (int line = 0; line < Q::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
-    if constexpr (std::is_same_v<Q, Q4_K>) {
-      q4k_block<MT>(b, xm + k, xsm + k / 32, K, G, acc, off_v);
-    } else if constexpr (std::is_same_v<Q, Q6_K8>) {
-      q6k8_block<MT>(b, xm + k, K, acc);
-    } else {
-      small_block<Q, MT>(b, xm + k, xsm + k / 32, K, G, static_cast<int>(bi & 1), acc, off);
-    }
-  }
-  for (int j = 0; j < MT; ++j) {
-    const float total = horizontal_sum(_mm256_add_ps(acc[j][0], acc[j][1]));
-    out[(m + j) * ld + n] = total - off[j] - horizontal_sum(off_v[j]);
-  }
-}
-
-// Activation rows per pass over a weight row: one decode of each block feeds up to 8 rows.
+// Activation rows per pass over a weight row in the AVX2 form: one decode of each block feeds up
+// to 8 rows.
 constexpr int64_t kMaxTile = 8;
 
-// out[m, n] (rows ld floats apart) for the N weight rows of w.
+// Weight rows a thread takes at a time: each tile of activation rows runs over all of them, so
+// they are read from memory once and from cache by the other tiles.
+constexpr int64_t kRowChunk = 16;
+
+// out[m, n] (rows ld floats apart) for the N weight rows of w. xi: rows [0, M / 2 * 2) of x as
+// interleave_pairs made them, for the AVX-512 form, or null for AVX2 throughout.
 template <class Q>
-void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
-                 int64_t M, int64_t K, int64_t N, int64_t ld, float* out) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      for (int64_t m = 0; m < M;) {
-        const int64_t left = M - m;
-        const int64_t tiles = (left + kMaxTile - 1) / kMaxTile;
-        const int64_t mt = (left + tiles - 1) / tiles;  // as even as possible
-        switch (mt) {
-          case 8: dot_row<Q, 8>(row, x, xsum, K, ld, n, m, out); break;
-          case 7: dot_row<Q, 7>(row, x, xsum, K, ld, n, m, out); break;
-          case 6: dot_row<Q, 6>(row, x, xsum, K, ld, n, m, out); break;
-          case 5: dot_row<Q, 5>(row, x, xsum, K, ld, n, m, out); break;
-          case 4: dot_row<Q, 4>(row, x, xsum, K, ld, n, m, out); break;
-          case 3: dot_row<Q, 3>(row, x, xsum, K, ld, n, m, out); break;
-          case 2: dot_row<Q, 2>(row, x, xsum, K, ld, n, m, out); break;
-          default: dot_row<Q, 1>(row, x, xsum, K, ld, n, m, out); break;
-        }
-        m += mt;
-      }
+void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xi,
+                 const float* xsum, int64_t M, int64_t K, int64_t N, int64_t ld, float* out) {
+  const int64_t pairs = xi != nullptr ? M / 2 : 0;
+  at::parallel_for(0, N, kRowChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
+      const int64_t n1 = std::min(end, n0 + kRowChunk);
+      if (pairs > 0) dot_rows_pairs<Q>(w, row_bytes, xi, xsum, K, ld, n0, n1, pairs, out);
+      for_tiles<kMaxTile>(M - 2 * pairs, [&](int64_t first, auto size) {
+        for (int64_t n = n0; n < n1; ++n)
+          avx2::dot_row<Q, decltype(size)::value>(w + n * row_bytes, x, xsum, K, ld, n, 2 * pairs + first, out);
+      });
     }
   });
 }
@@ -404,6 +373,13 @@ torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> par
                              _mm256_add_ps(_mm256_loadu_ps(xp + 32 * i + 16), _mm256_loadu_ps(xp + 32 * i + 24)));
     xsum[i] = horizontal_sum(s);
   }
+  // torch's allocator aligns to 64 bytes: each 16-lane load then reads one cache line, not two.
+  torch::Tensor interleaved;
+  if (g_quant_avx512 && M >= kPairRows) {
+    interleaved = torch::empty({M / 2 * 2 * K}, xf.options());
+    interleave_pairs(xp, M / 2, K, interleaved.data_ptr<float>());
+  }
+  const float* xi = interleaved.defined() ? interleaved.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   int64_t column = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
@@ -411,7 +387,7 @@ torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> par
     dispatch(qtypes[p], [&](auto q) {
       using Q = decltype(q);
       check_blocks<Q>(blocks, K);
-      linear_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xp, xsum.data(), M, K,
+      linear_rows<Q>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xp, xi, xsum.data(), M, K,
                      blocks.size(0), N, op + column);
     });
     column += blocks.size(0);
@@ -425,6 +401,10 @@ torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> par
   }
   return out;
 }
+
+// The instruction set of the GGUF products of kPairRows rows or more: "avx512" or "avx2" (fewer
+// rows are always AVX2; a row's result is the same from either).
+std::string quant_isa() { return g_quant_avx512 ? "avx512" : "avx2"; }
 
 // x [M, K] (any float dtype) @ dequantize(blocks).T -> float32 [M, N].
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype) {

@@ -5,6 +5,11 @@ summation-order rounding of a float64 product)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -58,14 +63,48 @@ def test_linear_multiplies_by_the_dequantised_weight(module, qtype, rows):
     assert torch.allclose(out.double(), x.bfloat16().double() @ weight.t(), atol=tolerance)
 
 
-def test_a_row_is_computed_alike_whatever_the_batch(module):
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_a_row_is_computed_alike_whatever_the_batch(module, qtype):
     # Each output is summed in one order however many activation rows share the pass, so a
-    # verify step's row equals the decode step's for the same input.
-    blocks = torch.from_numpy(random_blocks(np.random.default_rng(3), Q.Q4_K, 64, 512))
-    x = torch.randn(7, 512)
-    together = module.quant_linear(x, blocks, int(Q.Q4_K))
-    for i in range(7):
-        assert torch.equal(module.quant_linear(x[i : i + 1], blocks, int(Q.Q4_K))[0], together[i])
+    # verify step's row equals the decode step's for the same input. On AVX-512 CPUs batches of
+    # 4 rows or more take the two-rows-per-register form (pairs, then an odd row by AVX2), single
+    # rows never: equality with the single rows holds it to the AVX2 arithmetic.
+    raw = random_blocks(np.random.default_rng(3), qtype, 40, 512)
+    served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), 512))
+    x = torch.randn(kernels.ALWAYS_ROWS + 3, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat(
+        [module.quant_linear(x[i : i + 1], served.blocks, served.qtype) for i in range(len(x))]
+    )
+    for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, kernels.ALWAYS_ROWS + 3):
+        together = module.quant_linear(x[:rows], served.blocks, served.qtype)
+        assert torch.equal(together, alone[:rows]), rows
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_batches_take_avx512_where_the_cpu_has_it_unless_told_avx2(module):
+    expected = "avx512" if {"avx512f", "avx512dq"} <= _cpu_flags() else "avx2"
+    if os.environ.get("SPECSERVE_CPU_ISA") == "avx2":
+        expected = "avx2"
+    assert module.quant_isa() == expected
+    told = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from engine import kernels; print(kernels.cpu_kernels().quant_isa())",
+        ],
+        env={**os.environ, "SPECSERVE_CPU_ISA": "avx2"},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert told.stdout.split()[-1] == "avx2"
 
 
 def test_the_kernels_refuse_what_they_cannot_compute(module):
