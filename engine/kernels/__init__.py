@@ -90,16 +90,30 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def build_key() -> str:
+    """The extension's build key: a hash of its sources, flags, torch's and Python's versions."""
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    source += " ".join(_FLAGS).encode()
+    return hashlib.sha256(
+        source + torch.__version__.encode() + platform.python_version().encode()
+    ).hexdigest()[:16]
+
+
+def speed_signature() -> str:
+    """What decides how fast the CPU kernels run here, for caches of timings: the build and the
+    instruction sets in use, or that torch's kernels are used instead."""
+    module = cpu_kernels()
+    if module is None:
+        return "torch kernels"
+    return f"{build_key()} bf16:{module.cpu_isa()} gguf:{module.quant_isa()}"
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     from engine.models.bundled import cache_root
 
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    source += " ".join(_FLAGS).encode()
-    key = hashlib.sha256(
-        source + torch.__version__.encode() + platform.python_version().encode()
-    ).hexdigest()[:16]
+    key = build_key()
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -5,9 +5,12 @@ context, and at a few n with a long one for the context slope. The KV the forwar
 whatever the borrowed blocks hold: timing does not depend on its values. One warm-up forward runs
 first; each point is the minimum of `repeats` timings (the least disturbed by other work).
 
-The fit is cached as JSON under <cache root>/calibration/, keyed by the model directory, device,
-dtype, torch version and the grid, so only the first start on a machine pays for it (a few seconds
-for a 1.5B model on CPU); SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement (StepTimeModel.observe) starts from it.
+The fit is cached as JSON under <cache root>/calibration/, keyed by the model directory, device
+(for a CPU its model name, threads and our kernels' build and instruction sets: a fit taken on
+another CPU or with other kernels is not this machine's), dtype, quantisation, torch version and
+the grid, so only the first start on a machine pays for it (a few seconds for a 1.5B model on
+CPU); SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement
+(StepTimeModel.observe) starts from it.
 """
 
 from __future__ import annotations
@@ -155,15 +158,17 @@ def _cache_key(
     runner: ModelRunner, model_path: Path, max_num_batched_tokens: int, max_model_len: int
 ) -> str:
     device = runner.device.torch
-    device_name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"{platform.processor() or platform.machine()}-{torch.get_num_threads()}threads"
-    )
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        from engine import kernels
+
+        device_name = f"{cpu_name()}-{torch.get_num_threads()}threads-{kernels.speed_signature()}"
     parts = [
         str(Path(model_path).resolve()),
         device_name,
         str(runner.dtype),
+        runner.quantization,
         torch.__version__,
         runner.backend.name,
         str(runner.block_size),
@@ -171,6 +176,18 @@ def _cache_key(
         str(max_model_len),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says: machines of one kind may
+    differ in their CPU, and so in every timing."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _write_atomic(path: Path, text: str) -> None:
