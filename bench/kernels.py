@@ -9,12 +9,21 @@ over converted weight chunks (`f32_chunked_linear`). Past ALWAYS_ROWS rows (pref
 product is compute-bound: GB/s x rows is the multiply-add rate, and the engine takes whichever of
 ours, the float32 chunks and F.linear its start-up probe measures fastest (`prefill_route`).
 
+--gguf times the GGUF block kernel instead (`quant_linear`, the shipped Q4_K_M's formats: Q4_K
+for qkv, o and gate/up, Q6_K served as our Q6_K8 for down) at the rows of decode and verify
+steps, in its AVX2 form (a child process started with SPECSERVE_CPU_ISA=avx2) and, where the CPU
+has AVX-512, in the form this process takes (two rows per 16-lane register from 4 rows on).
+
     python bench/kernels.py [--rows 1 2 4 9 16 64 256]
+    python bench/kernels.py --gguf [--rows 1 2 4 8 12 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,10 +48,95 @@ def timed(fn, rounds: int = 3) -> float:
     return (time.perf_counter() - start) / rounds
 
 
+# GGML type ids of the formats the GGUF kernel multiplies by, and bytes per block of 256 weights.
+Q4_K, Q6_K8 = 12, 1014
+BLOCK_BYTES = {Q4_K: 144, Q6_K8: 274}
+
+
+def random_blocks(rows: int, columns: int, qtype: int, generator: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, bytes] of blocks with random quants and a normal float16 scale (d = 0.01, and
+    dmin for Q4_K): the kernel's time does not depend on the values, only denormals would."""
+    blocks = torch.randint(
+        0, 256, (rows, columns // 256, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=generator
+    )
+    d = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    scale_at = (0, 2) if qtype == Q4_K else (272,)
+    for offset in scale_at:
+        blocks[:, :, offset : offset + 2] = d
+    return blocks.reshape(rows, -1)
+
+
+def gguf_rates(rows_list: list[int]) -> dict[int, float]:
+    """GB/s of blocks read by quant_linear over all layers, per activation row count."""
+    kernels = cpu_kernels()
+    assert kernels is not None, "the GGUF kernel needs our CPU kernels"
+    generator = torch.Generator().manual_seed(0)
+    layers = [
+        [
+            (
+                random_blocks(n, k, Q4_K if k == 1536 else Q6_K8, generator),
+                Q4_K if k == 1536 else Q6_K8,
+            )
+            for n, k in SHAPES
+        ]
+        for _ in range(NUM_LAYERS)
+    ]
+    total_bytes = sum(w.numel() for layer in layers for w, _ in layer)
+    rates = {}
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for _, k in SHAPES}
+
+        def one_pass(xs: dict[int, torch.Tensor] = xs) -> None:
+            for layer in layers:
+                for w, qtype in layer:
+                    kernels.quant_linear(xs[w.shape[1] // BLOCK_BYTES[qtype] * 256], w, qtype)
+
+        rates[rows] = total_bytes / min(timed(one_pass) for _ in range(2)) / 1e9
+    return rates
+
+
+def gguf_main(rows_list: list[int], is_child: bool) -> None:
+    if is_child:
+        print(json.dumps(gguf_rates(rows_list)))
+        return
+    kernels = cpu_kernels()
+    assert kernels is not None, "the GGUF kernel needs our CPU kernels"
+    env = {**os.environ, "SPECSERVE_CPU_ISA": "avx2"}
+    command = [sys.executable, __file__, "--gguf", "--child", "--rows", *map(str, rows_list)]
+    avx2 = {
+        int(k): v
+        for k, v in json.loads(
+            subprocess.run(
+                command, env=env, check=True, capture_output=True, text=True
+            ).stdout.splitlines()[-1]
+        ).items()
+    }
+    this = gguf_rates(rows_list) if kernels.quant_isa() != "avx2" else None
+    print(
+        f"GGUF blocks (Q4_K, Q6_K8), 28 layers of the 1.5B's shapes, GB/s read (higher is better); CPU form here: {kernels.quant_isa()}"
+    )
+    print(f"{'rows':>5} {'AVX2':>9} {kernels.quant_isa():>9} {'ratio':>7}")
+    for rows in rows_list:
+        if this is None:
+            print(f"{rows:>5} {avx2[rows]:>9.2f}")
+        else:
+            print(
+                f"{rows:>5} {avx2[rows]:>9.2f} {this[rows]:>9.2f} {this[rows] / avx2[rows]:>6.2f}x"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 9, 16, 64, 256])
+    parser.add_argument("--rows", type=int, nargs="+")
+    parser.add_argument(
+        "--gguf", action="store_true", help="the GGUF block kernel, AVX2 and AVX-512"
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gguf:
+        gguf_main(args.rows or [1, 2, 4, 8, 12, 16], args.child)
+        return
+    args.rows = args.rows or [1, 2, 4, 9, 16, 64, 256]
 
     weights = [
         [torch.randn(n, k, dtype=torch.bfloat16) for n, k in SHAPES] for _ in range(NUM_LAYERS)
