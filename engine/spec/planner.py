@@ -13,7 +13,8 @@ and the budget left. The planner applies, in order:
    compute_bound / low_acceptance for a request left at 0).
 
 It learns online: measured step times refine the step-time model, verify results feed each
-request's acceptance estimate, measured draft time the draft cost. Every decision is counted in
+request's acceptance estimate (decided by its upper bound, so a request is tried before its
+prior can rule it out), measured draft time the draft cost. Every decision is counted in
 PolicyStats with its reason.
 """
 
@@ -172,7 +173,9 @@ class DraftPlanner:
         requests capped at D, the cost D forwards; lookup drafts cost nothing. The best D's
         caps then go through the hysteresis."""
         ids = [self._key(c) for c in candidates]
-        alphas = [self.tracker.alpha(key, c.source) for key, c in zip(ids, candidates, strict=True)]
+        alphas = [
+            self.tracker.upper_bound(key, c.source) for key, c in zip(ids, candidates, strict=True)
+        ]
         uses_model = [c.source in MODEL_SOURCES for c in candidates]
         depths = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
         values = []

@@ -200,6 +200,12 @@ class AcceptanceTracker:
     `decay` per verify (an EWMA, so a request whose text turns predictable is followed), and
     `prior_weight` pseudo-trials at the method's prior keep alpha inside (0, 1) and give a request
     with no history a sensible start.
+
+    Decisions take `upper_bound`: alpha plus `optimism` standard errors. An estimate moves only
+    when its request drafts, so judged by alpha alone a request whose prior says "does not pay"
+    would never draft and never learn otherwise (a draft model that accepts 90% of a code edit
+    stayed off for a whole answer at a prior of 0.6). The bound is wide while a request has few
+    trials, so it is tried on its first steps, and narrows as its verifies come in.
     """
 
     def __init__(
@@ -207,12 +213,14 @@ class AcceptanceTracker:
         priors: Mapping[str, float] = DEFAULT_PRIORS,
         decay: float = 0.9,
         prior_weight: float = 2.0,
+        optimism: float = 1.0,
     ) -> None:
-        if not 0.0 < decay <= 1.0 or prior_weight <= 0.0:
-            raise ValueError("need 0 < decay <= 1 and prior_weight > 0")
+        if not 0.0 < decay <= 1.0 or prior_weight <= 0.0 or optimism < 0.0:
+            raise ValueError("need 0 < decay <= 1, prior_weight > 0 and optimism >= 0")
         self.priors = dict(priors)
         self.decay = decay
         self.prior_weight = prior_weight
+        self.optimism = optimism
         self._state: dict[str, tuple[str, float, float]] = {}  # id -> (method, accepted, trials)
 
     def observe(
@@ -233,6 +241,14 @@ class AcceptanceTracker:
         prior = self.priors[method]
         _, accepted, trials = self._state.get(request_id, (method, 0.0, 0.0))
         return (accepted + self.prior_weight * prior) / (trials + self.prior_weight)
+
+    def upper_bound(self, request_id: str, method: str) -> float:
+        """alpha plus `optimism` standard errors of it, its trials counting the prior's: what
+        the policy decides by (see the class docstring)."""
+        _, _, trials = self._state.get(request_id, (method, 0.0, 0.0))
+        alpha = self.alpha(request_id, method)
+        error = math.sqrt(alpha * (1.0 - alpha) / (trials + self.prior_weight))
+        return min(1.0, alpha + self.optimism * error)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -134,6 +134,35 @@ def test_draft_model_depth_pays_for_itself() -> None:
     assert ks[0] >= 5
 
 
+def test_a_draft_model_the_prior_rules_out_is_tried_and_kept_where_it_pays() -> None:
+    """Drafting pays at alpha 0.9 but not at the prior's 0.6 (one draft forward costs 0.8 of a
+    step): judged by its prior alone a new request would never draft, so never show its 0.9.
+    Decided by the upper bound, it drafts at once; a request that then accepts nothing is
+    dropped after a few verifies, one that accepts everything keeps drafting deep."""
+    cost = 0.8
+    prior = 0.6
+    assert _planner(draft_forward_seconds=cost).tracker.priors["draft_model"] == prior
+    judged_by_prior = DraftPlanner(
+        "auto", 7, ("draft_model",), FlatThenLinear(), draft_forward_seconds=cost
+    )
+    judged_by_prior.tracker.optimism = 0.0
+    first, second = _requests(2)
+    assert judged_by_prior.plan([Candidate(first, 7, "draft_model")], 1, 100, 256, 1) == [0]
+    planner = DraftPlanner(
+        "auto", 7, ("draft_model",), FlatThenLinear(), draft_forward_seconds=cost
+    )
+    for request, accepted in ((first, lambda k: k), (second, lambda k: 0)):
+        ks = [planner.plan([Candidate(request, 7, "draft_model")], 1, 100, 256, 1)[0]]
+        assert ks[0] > 0
+        for _ in range(8):
+            planner.observe_verify(request, "draft_model", ks[-1], accepted(ks[-1]))
+            ks.append(planner.plan([Candidate(request, 7, "draft_model")], 1, 100, 256, 1)[0])
+        if request is first:
+            assert min(ks) > 0 and ks[-1] >= 5
+        else:
+            assert ks[-1] == 0
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     return tiny_llama

@@ -276,3 +276,20 @@ def test_acceptance_tracker_prior_decay_and_forget() -> None:
     assert tracker.alpha("r", "draft_model") == tracker.priors["draft_model"]
     with pytest.raises(ValueError):
         tracker.observe("r", "ngram", 3, 4)
+
+
+def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
+    tracker = AcceptanceTracker()
+    prior = tracker.priors["draft_model"]
+    fresh = tracker.upper_bound("new", "draft_model")
+    assert fresh > prior + 0.2  # one standard error of two pseudo-trials at 0.6: ~0.35
+    rng = random.Random(3)
+    widths = []
+    for _ in range(40):
+        tracker.observe("r", "draft_model", 5, _verify(rng, 0.3, 5))
+        widths.append(tracker.upper_bound("r", "draft_model") - tracker.alpha("r", "draft_model"))
+    assert widths[-1] < widths[0] and widths[-1] < 0.15
+    assert tracker.upper_bound("r", "draft_model") < prior  # evidence overrides the optimism
+    assert AcceptanceTracker(optimism=0.0).upper_bound("new", "ngram") == tracker.priors["ngram"]
+    with pytest.raises(ValueError):
+        AcceptanceTracker(optimism=-1.0)
