@@ -203,8 +203,8 @@ class AcceptanceTracker:
 
     Decisions take `upper_bound`: alpha plus `optimism` standard errors. An estimate moves only
     when its request drafts, so judged by alpha alone a request whose prior says "does not pay"
-    would never draft and never learn otherwise (a draft model that accepts 90% of a code edit
-    stayed off for a whole answer at a prior of 0.6). The bound is wide while a request has few
+    would never draft and never learn otherwise (a draft model whose code-edit drafts are mostly
+    accepted stayed off for whole answers at a prior of 0.6). The bound is wide while a request has few
     trials, so it is tried on its first steps, and narrows as its verifies come in.
     """
 
