@@ -6,9 +6,10 @@ time is the weight bytes read. torch's own bfloat16 matmuls on a CPU without nat
 instructions convert through slower paths (`python bench/kernels.py` compares them). On a CPU
 with AVX-512 BF16 it multiplies bfloat16 pairs directly (VDPBF16PS, no conversion of the weight);
 SPECSERVE_CPU_ISA=avx2 keeps the AVX2 path there, and the start-up log names the one in use.
-`quant_linear` (cpu_quant.cpp) multiplies by GGUF blocks; on a CPU with AVX-512 its batches of 4+
-rows run two rows per 16-lane register with the same per-row arithmetic (`quant_isa`), and
-SPECSERVE_CPU_ISA=avx2 keeps those on AVX2 too.
+`quant_linear` (cpu_quant.cpp) multiplies by GGUF blocks; on a CPU with AVX-512 (`quant_isa`)
+Q4_K runs one row per 16-lane register, its nibbles made floats by a 16-entry permute, at any
+number of rows, and the other formats' batches of 4+ rows run two rows per register with the
+same per-row arithmetic as AVX2; SPECSERVE_CPU_ISA=avx2 keeps everything on AVX2.
 
 The extension is built with torch's C++ extension tooling the first time a process needs it
 (a C++ compiler and ninja; about a minute), under <cache root>/kernels/, keyed by the source,
