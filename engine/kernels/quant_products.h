@@ -138,42 +138,63 @@ inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, typename V::
   }
 }
 
-// Output column n (one weight row) for activation rows [m, m + MT * V::kRows): each block is
-// decoded once and used by all of them. xsum[m][g] = sum of x[m] over group g.
+// The sums of output column n (one weight row) for activation rows [m, m + MT * V::kRows), taken
+// over any run of the row's blocks at a time (add), so a product can walk the columns in chunks
+// while the sums wait here: stored and reloaded unchanged, they give the same result as one pass.
+// Each block is decoded once and used by all the rows. xsum[m][g] = sum of x[m] over group g.
 template <class Q, int MT>
-inline void dot_row(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t ld,
-                    int64_t n, int64_t m, float* out) {
-  constexpr int kRows = MT * V::kRows;
-  const int64_t num_blocks = K / Q::kWeights, G = K / 32;
+struct RowSums {
+  static constexpr int kRows = MT * V::kRows;
   typename V::T acc[MT][2];
   __m256 off_v[kRows];
   float off[kRows];
-  for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = V::zero();
-  for (int r = 0; r < kRows; ++r) {
-    off_v[r] = _mm256_setzero_ps();
-    off[r] = 0.0f;
-  }
-  const float* xm = x + m * K;
-  const float* xsm = xsum + m * G;
-  for (int64_t bi = 0; bi < num_blocks; ++bi) {
-    const uint8_t* b = w + bi * Q::kBytes;
-    const int64_t k = bi * Q::kWeights;
-    for (int line = 0; line < Q::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
-    if constexpr (std::is_same_v<Q, Q4_K>) {
-      q4k_block<MT>(b, xm + V::kRows * k, xsm + k / 32, K, G, acc, off_v);
-    } else if constexpr (std::is_same_v<Q, Q6_K8>) {
-      q6k8_block<MT>(b, xm + V::kRows * k, K, acc);
-    } else {
-      small_block<Q, MT>(b, xm + V::kRows * k, xsm + k / 32, K, G, static_cast<int>(bi & 1), acc, off);
+
+  void start() {
+    for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = V::zero();
+    for (int r = 0; r < kRows; ++r) {
+      off_v[r] = _mm256_setzero_ps();
+      off[r] = 0.0f;
     }
   }
-  for (int j = 0; j < MT; ++j) {
-    float total[V::kRows];
-    V::sums(V::add(acc[j][0], acc[j][1]), total);
-    for (int r = 0; r < V::kRows; ++r) {
-      const int row = j * V::kRows + r;
-      out[(m + row) * ld + n] = total[r] - off[row] - horizontal_sum(off_v[row]);
+
+  // Blocks [b0, b1) of weight row w.
+  void add(const uint8_t* w, const float* x, const float* xsum, int64_t K, int64_t m, int64_t b0,
+           int64_t b1) {
+    const int64_t G = K / 32;
+    typename V::T a[MT][2];
+    __m256 ov[kRows];
+    float o[kRows];
+    std::memcpy(a, acc, sizeof(a));
+    std::memcpy(ov, off_v, sizeof(ov));
+    std::memcpy(o, off, sizeof(o));
+    const float* xm = x + m * K;
+    const float* xsm = xsum + m * G;
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      const uint8_t* b = w + bi * Q::kBytes;
+      const int64_t k = bi * Q::kWeights;
+      for (int line = 0; line < Q::kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
+      if constexpr (std::is_same_v<Q, Q4_K>) {
+        q4k_block<MT>(b, xm + V::kRows * k, xsm + k / 32, K, G, a, ov);
+      } else if constexpr (std::is_same_v<Q, Q6_K8>) {
+        q6k8_block<MT>(b, xm + V::kRows * k, K, a);
+      } else {
+        small_block<Q, MT>(b, xm + V::kRows * k, xsm + k / 32, K, G, static_cast<int>(bi & 1), a, o);
+      }
+    }
+    std::memcpy(acc, a, sizeof(a));
+    std::memcpy(off_v, ov, sizeof(ov));
+    std::memcpy(off, o, sizeof(o));
+  }
+
+  void finish(int64_t ld, int64_t n, int64_t m, float* out) const {
+    for (int j = 0; j < MT; ++j) {
+      float total[V::kRows];
+      V::sums(V::add(acc[j][0], acc[j][1]), total);
+      for (int r = 0; r < V::kRows; ++r) {
+        const int row = j * V::kRows + r;
+        out[(m + row) * ld + n] = total[r] - off[row] - horizontal_sum(off_v[row]);
+      }
     }
   }
-}
+};

@@ -63,17 +63,20 @@ def test_linear_multiplies_by_the_dequantised_weight(module, qtype, rows):
     assert torch.allclose(out.double(), x.bfloat16().double() @ weight.t(), atol=tolerance)
 
 
+@pytest.mark.parametrize("columns", [512, 9216])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_a_row_is_computed_alike_whatever_the_batch(module, qtype):
+def test_a_row_is_computed_alike_whatever_the_batch(module, qtype, columns):
     # Each output is summed in one order however many activation rows share the pass, so a
     # verify step's row equals the decode step's for the same input. On AVX-512 CPUs Q4_K takes
     # its 16-lane form at every size, in passes of up to 6 rows (so 7+ rows are several passes),
     # and the other formats' batches of 4 rows or more the two-rows-per-register form (pairs,
     # then an odd row by AVX2), single rows never: equality with the single rows holds it to the
-    # AVX2 arithmetic.
-    raw = random_blocks(np.random.default_rng(3), qtype, 40, 512)
-    served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), 512))
-    x = torch.randn(kernels.ALWAYS_ROWS + 3, 512, generator=torch.Generator().manual_seed(3))
+    # AVX2 arithmetic. A batch whose activations outgrow L1 (9216 columns: from 2 rows) walks
+    # the columns in chunks across the weight rows, its sums waiting between chunks: a single
+    # row, or 512 columns, is one pass.
+    raw = random_blocks(np.random.default_rng(3), qtype, 40, columns)
+    served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), columns))
+    x = torch.randn(kernels.ALWAYS_ROWS + 3, columns, generator=torch.Generator().manual_seed(3))
     alone = torch.cat(
         [module.quant_linear(x[i : i + 1], served.blocks, served.qtype) for i in range(len(x))]
     )
