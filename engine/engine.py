@@ -34,7 +34,7 @@ from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Draft
 from engine.spec.speculator import DEFAULT_PREDICTION_TOKENS, ProposerContext, Speculator
 from engine.spec.stats import PolicyStats, SpecStats
-from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from engine.verifier import StepTokens, Verifier
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "this model has no tokenizer: pass prompts as token ids.", "prompt"
                 )
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = encode_text(self.tokenizer, prompt)
         else:
             token_ids = [int(t) for t in prompt]
         if not token_ids:

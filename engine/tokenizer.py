@@ -86,6 +86,12 @@ def _config_eos_ids(file: Path) -> list[int]:
     raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {value!r}.")
 
 
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A text prompt's token ids, as the engine encodes one (the tokenizer's own special tokens
+    added, as `encode` does by default)."""
+    return list(tokenizer.encode(text))
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],

@@ -1,8 +1,11 @@
 """The FastAPI application: `create_app(settings)` builds one, with all of its state on `app.state`.
 
 Lifespan: at start-up the engine loads in a worker thread (GET /health answers 503 "loading"
-meanwhile) and its `AsyncEngine` loop starts; at shutdown (uvicorn's, e.g. on SIGTERM) admission
-stops, in-flight requests get up to `shutdown_timeout` seconds, and what is left is aborted.
+meanwhile) and its `AsyncEngine` loop starts. At shutdown admission stops, in-flight requests get
+up to `shutdown_timeout` seconds, and what is left is aborted, so every open stream ends with an
+error event and [DONE]: the CLI starts that drain when the signal arrives (`begin_shutdown`),
+while uvicorn still waits for the responses (its own deadline is later, `SHUTDOWN_GRACE_S`), and
+the lifespan's end finishes it.
 Meanwhile a background task logs the engine's stats every `log_stats_interval` seconds.
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
@@ -45,6 +48,7 @@ from server.metrics import EngineSnapshot, format_stats_line, new_registry, read
 from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
+from server.tokenization import PromptTokenizer, copies
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,9 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.given_engine = async_engine
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
+    state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
     state.load_error = None
+    state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
     state.created = int(time.time())
     state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
@@ -105,12 +111,28 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loader is not None and not loader.done():
             loader.cancel()  # the loading thread runs on, but its engine is never served
             await asyncio.gather(loader, return_exceptions=True)
-        engine: AsyncEngine | None = state.async_engine
-        if engine is not None:
-            logger.info(
-                "shutting down: in-flight requests get %.0f s", state.settings.shutdown_timeout
-            )
-            await engine.shutdown(state.settings.shutdown_timeout)
+        begin_shutdown(app)
+        if state.draining is not None:
+            await state.draining
+        if state.prompt_tokenizer is not None:
+            state.prompt_tokenizer.close()
+
+
+# Seconds the HTTP server waits for open responses past shutdown_timeout before it cancels them:
+# the engine aborts what is left at shutdown_timeout, and the aborted streams' last events need
+# a moment to be sent.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def begin_shutdown(app: FastAPI) -> None:
+    """Start the engine's drain (on the event loop; once): admission stops, in-flight requests
+    get shutdown_timeout seconds, the rest are aborted and their streams end cleanly."""
+    state = app.state
+    engine: AsyncEngine | None = state.async_engine
+    if engine is None or state.draining is not None:
+        return
+    logger.info("shutting down: in-flight requests get %.0f s", state.settings.shutdown_timeout)
+    state.draining = asyncio.ensure_future(engine.shutdown(state.settings.shutdown_timeout))
 
 
 async def _load_engine(app: FastAPI) -> None:
@@ -173,8 +195,14 @@ async def _log_stats(app: FastAPI, interval: float) -> None:
 
 
 def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
+    # Before the engine thread starts: the copies are made while nothing else uses the tokenizer,
+    # and from then on each thread has its own (the loop's token texts, the prompt tokenizer's
+    # thread, the engine's detokenizer).
     tokenizer = async_engine.engine.tokenizer
-    app.state.tokens = TokenDecoder(tokenizer) if tokenizer is not None else None
+    if tokenizer is not None:
+        for_tokens, for_prompts = copies(tokenizer, 2)
+        app.state.tokens = TokenDecoder(for_tokens)
+        app.state.prompt_tokenizer = PromptTokenizer(for_prompts)
     async_engine.start()
     app.state.async_engine = async_engine
     logger.info("serving %s as %r", app.state.settings.model, app.state.settings.model_name)

@@ -23,7 +23,6 @@ from starlette.types import Receive
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
 from server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.errors import (
@@ -50,6 +49,7 @@ from server.streaming import (
     engine_unavailable,
     stream_events,
 )
+from server.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +125,18 @@ async def chat_completions(request: Request) -> Response:
     req = await _parse(request, ChatCompletionRequest)
     engine = _serving_engine(request)
     params = _sampling_params(req)
+    tokenizer: PromptTokenizer | None = state.prompt_tokenizer
+    if tokenizer is None:
+        raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
     try:
-        prompt_ids = apply_chat_template(engine.engine.tokenizer, prompt_of(req))
+        prompt_ids = await tokenizer.chat(prompt_of(req))
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
+    prediction = prediction_of(req)
+    if prediction:
+        (prediction,) = await tokenizer.texts([prediction])
     meta = ResponseMeta.new("chatcmpl", state.settings.model_name)
-    streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction_of(req))
+    streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
     if req.stream:
         builder = ChatStream(meta, state.tokens, _include_usage(req), spec_stats)
@@ -146,6 +152,8 @@ async def completions(request: Request) -> Response:
     engine = _serving_engine(request)
     params = _sampling_params(req)
     prompts = prompt_of(req)
+    if state.prompt_tokenizer is not None:  # else the engine says text needs a tokenizer
+        prompts = await state.prompt_tokenizer.texts(prompts)
     meta = ResponseMeta.new("cmpl", state.settings.model_name)
     ids = [meta.id] if len(prompts) == 1 else [f"{meta.id}-{i}" for i in range(len(prompts))]
     streams = await _open(request, engine, ids, prompts, params, None)
@@ -209,7 +217,7 @@ async def _open(
     request_ids: Sequence[str],
     prompts: Sequence[str | Sequence[int]],
     params: SamplingParams,
-    prediction: str | None,
+    prediction: str | Sequence[int] | None,
 ) -> EngineStreams:
     """Submit the engine requests and wait for their first outputs (or the client leaving)."""
     try:

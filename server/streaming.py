@@ -74,7 +74,7 @@ class EngineStreams:
         request_ids: Sequence[str],
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams,
-        prediction: str | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> EngineStreams:
         """Submit every prompt and await each one's first output. Raises what `generate` raises
         (ValueError, QueueFullError, EngineDeadError) after aborting the others."""
