@@ -9,8 +9,11 @@ when the model has one) and prints the answer with its throughput. Both read one
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -86,7 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(settings: Settings) -> int:
     import uvicorn
 
-    from server.app import create_app
+    from server.app import SHUTDOWN_GRACE_S, begin_shutdown, create_app
 
     app = create_app(settings)
     config = uvicorn.Config(
@@ -94,11 +97,19 @@ def _serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        # uvicorn's graceful shutdown: on SIGTERM stop accepting, let in-flight responses run
-        # for up to shutdown_timeout, then cancel them; the app's lifespan then stops the engine.
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)),
+        # uvicorn's graceful shutdown: on SIGTERM stop accepting and wait for the open responses;
+        # the engine drains for shutdown_timeout from the signal on and aborts the rest, whose
+        # streams then end cleanly, before uvicorn would cancel them.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout + SHUTDOWN_GRACE_S),
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            with contextlib.suppress(RuntimeError):  # no loop yet: nothing to drain
+                asyncio.get_running_loop().call_soon_threadsafe(begin_shutdown, app)
+
+    server = Server(config)
 
     def stop() -> None:  # the engine failed to load: nothing to serve
         server.should_exit = True
