@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -213,7 +213,3 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request.request_id)
-
-    def finish_all(self, requests: Iterable[Request], status: RequestStatus) -> None:
-        for request in list(requests):
-            self.finish(request, status)

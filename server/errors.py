@@ -66,12 +66,6 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return OpenAIError(400, message, INVALID_REQUEST, param, code)
 
 
-def not_supported(param: str, what: str | None = None) -> OpenAIError:
-    """400 for an OpenAI parameter this server does not implement (never silently ignored)."""
-    message = f"{what or param!s} is not supported by this server."
-    return OpenAIError(400, message, INVALID_REQUEST, param, "unsupported_parameter")
-
-
 def authentication_error(message: str = "Incorrect API key provided.") -> OpenAIError:
     """401: a missing or wrong API key."""
     return OpenAIError(401, message, AUTHENTICATION, None, "invalid_api_key")

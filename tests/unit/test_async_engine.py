@@ -292,7 +292,9 @@ def test_shutdown_drains_then_aborts(tiny_llama):
         return await asyncio.gather(*tasks), elapsed, ae.is_alive, ae.is_ready
 
     results, elapsed, is_alive, is_ready = _run(main())
-    assert 1.5 <= elapsed < 6
+    # The long requests cannot end before the deadline (200 steps of 20 ms), so shutdown waited
+    # it out; no upper bound: on a loaded machine the drain may take any time.
+    assert elapsed >= 1.5
     assert not is_alive and not is_ready
     want = _offline(tiny_llama, [_prompt(0), _prompt(1)], short)
     for outs, ref in zip(results[:2], want, strict=True):  # drained within the timeout
