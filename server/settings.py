@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.config import Dtype, EngineConfig, Quantization
+from engine.spec.config import SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -76,6 +77,15 @@ class Settings(BaseModel):
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        return value
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _valid_speculation(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Checked with the rest of the settings, before the server binds: a bad one would
+        # otherwise only fail once the model loads.
+        if value is not None:
+            SpeculativeConfig.from_dict(value)
         return value
 
     @field_validator("cors_allow_origins", mode="before")

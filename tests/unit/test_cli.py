@@ -88,6 +88,13 @@ def test_yaml_then_environment_then_flags(tmp_path):
         ("engines:\n  model: m\n", {}, "unknown sections"),
         ("engine:\n  model: m\n", {"port": "http"}, "port"),
         ("engine:\n  model: m\n", {"speculative_config": "{nope"}, "not valid JSON"),
+        # A well-formed but invalid speculative_config fails here, before the server binds.
+        ("engine:\n  model: m\n", {"speculative_config": '{"method": "x"}'}, "unknown spec"),
+        (
+            "engine:\n  model: m\n  speculative_config: {method: ngram, k: 3}\n",
+            {},
+            "unknown speculative_config keys",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path, yaml_text, flags, message):
