@@ -97,6 +97,24 @@ constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
 // 0.5B draft, Q8_0 blocks mostly, 1.18x faster at 4 KiB.)
 constexpr int64_t kPrefetchAhead = 4096;
 
+// A Q4_K block's eight sub-block scales d * sc and offsets dmin * m (gguf's get_scale_min: 6-bit
+// values packed in 12 bytes, unpacked four at a time), each rounded after its multiply.
+inline void q4k_scales(const uint8_t* b, __m256& scales, __m256& mins) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, sizeof(u));
+  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
+  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
+                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
+  scales = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc))));
+  mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
+}
+
+// Prefetches the block kPrefetchAhead bytes past b, a cache line at a time.
+inline void prefetch_ahead(const uint8_t* b, int bytes) {
+  for (int line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
+}
+
 // One activation row per 8-lane register: the AVX2 form of the products, and the dequantiser's.
 struct Y8 {
   using T = __m256;
@@ -129,15 +147,11 @@ using V = Y8;
 // Q4_K's 256 weights of block b into o, as `Group` would give them but with the block's scales
 // and offsets unpacked once: s * q - m, rounded after the multiply and after the subtraction.
 inline void q4k_dequantize(const uint8_t* b, float* o) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, sizeof(u));
-  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
-  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
-                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
   alignas(32) float scale[8], offset[8];
-  const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
-  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
-  _mm256_store_ps(offset, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn)))));
+  __m256 scales, mins;
+  q4k_scales(b, scales, mins);
+  _mm256_store_ps(scale, scales);
+  _mm256_store_ps(offset, mins);
   const __m256i mask = _mm256_set1_epi32(15);
   for (int c = 0; c < 4; ++c) {
     const __m256 s_lo = _mm256_set1_ps(scale[2 * c]), s_hi = _mm256_set1_ps(scale[2 * c + 1]);
@@ -237,10 +251,8 @@ constexpr int64_t kRowChunk = 16;
 // Columns a pass takes at a time over the kRowChunk weight rows, where a tile's activations are
 // bigger than kOnePassBytes: the tile's activations for one chunk (at most 8 rows of 1024
 // floats, 32 KiB) stay in L1 across the weight rows, where a whole row of a wide product (the
-// MLP's down projection: 8960 columns, 215 KiB for 6 rows) was read from L2 again for every
-// weight row. On an AVX-512 Xeon, 28 layers of the 1.5B's down projection (Q6_K8), GB/s at 6 / 16
-// rows: 8.0 / 3.3 in one pass, 8.7 / 3.8 by chunks (Q4_K blocks of the same shape: 4.9 / 1.9 ->
-// 5.8 / 2.4).
+// MLP's down projection: 8960 columns, 215 KiB for 6 rows) would be read from L2 again for
+// every weight row (`python bench/kernels.py --gguf` times that projection as its Q6_K8 table).
 constexpr int64_t kColumnChunk = 1024;
 // A tile whose activations are no bigger than this (bytes) is taken in one pass: they stay in
 // L1 and L2 anyway, and one pass prefetches each weight row straight through.
@@ -338,8 +350,8 @@ void dot_rows_pairs(const uint8_t* w, int64_t row_bytes, const float* xi, const 
 // the group sums as in the AVX2 form. The 8 weight vectors of a half block are made once for all
 // the rows of a pass, and a row gets the same operations in the same order however many rows
 // share it; on AVX-512 CPUs every Q4_K product takes this form, so single rows and batches agree.
-// On an AVX-512 Xeon (Q4_K GB/s at 1-16 rows over the 1.5B's shapes) it is 1.27x the AVX2 form
-// at 1 row, 1.4-1.8x at 2-5, 1.0-1.2x at 6-16. Rows per pass: 6 (8 measured no faster).
+// On an AVX-512 Xeon (`python bench/kernels.py --gguf`, the Q4_K table) it reads 1.24x as fast
+// as the AVX2 form at 1 row and 1.36-1.49x at 2-16. Rows per pass: 6 (8 measured no faster).
 constexpr int64_t kMaxQ4KTile = 6;
 
 // Each row of x [M, K] in the order above, block by block.
@@ -386,17 +398,10 @@ struct Q4KSums {
     const float* xsm = xsum + m * G;
     for (int64_t bi = b0; bi < b1; ++bi) {
       const uint8_t* b = w + bi * Q4_K::kBytes;
-      for (int line = 0; line < Q4_K::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
-      uint32_t u[3];
-      std::memcpy(u, b + 4, sizeof(u));
-      const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
-      const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
-                              ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
-      const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
-      const __m512 scale = _mm512_castps256_ps512(
-          _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
-      const __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
+      prefetch_ahead(b, Q4_K::kBytes);
+      __m256 scales, mins;
+      q4k_scales(b, scales, mins);
+      const __m512 scale = _mm512_castps256_ps512(scales);
       for (int j = 0; j < MT; ++j) o[j] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsm + j * G + bi * 8), o[j]);
       for (int h = 0; h < 2; ++h) {
         const __m512i v = _mm512_loadu_si512(b + 16 + 64 * h);
@@ -551,14 +556,17 @@ torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> par
     xsum[i] = horizontal_sum(s);
   }
   // torch's allocator aligns to 64 bytes: each 16-lane load then reads one cache line, not two.
+  // On AVX-512 CPUs the Q4_K parts take their own form, from activations permuted for it, and
+  // the other parts' batches pairs, from interleaved ones: each is made only if a part reads it.
+  const auto own_form = [&](int64_t qtype) { return g_quant_avx512 && qtype == 12 && K % 256 == 0; };
   torch::Tensor interleaved;
-  if (g_quant_avx512 && M >= kPairRows) {
+  if (g_quant_avx512 && M >= kPairRows && !std::all_of(qtypes.begin(), qtypes.end(), own_form)) {
     interleaved = torch::empty({M / 2 * 2 * K}, xf.options());
     interleave_pairs(xp, M / 2, K, interleaved.data_ptr<float>());
   }
   const float* xi = interleaved.defined() ? interleaved.data_ptr<float>() : nullptr;
   torch::Tensor permuted;
-  if (g_quant_avx512 && K % 256 == 0 && std::find(qtypes.begin(), qtypes.end(), 12) != qtypes.end()) {
+  if (std::any_of(qtypes.begin(), qtypes.end(), own_form)) {
     permuted = torch::empty({M * K}, xf.options());
     q4k_permute(xp, M, K, permuted.data_ptr<float>());
   }

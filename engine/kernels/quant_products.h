@@ -88,16 +88,10 @@ inline void small_block(const uint8_t* b, const float* x, const float* xs, int64
 template <int MT>
 inline void q4k_block(const uint8_t* b, const float* x, const float* xs, int64_t K, int64_t G,
                       typename V::T (*acc)[2], __m256* off) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, sizeof(u));
-  // The eight 6-bit scales and mins (gguf's get_scale_min), four bytes at a time.
-  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
-  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
-                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
   alignas(32) float scale[8];
-  const __m256 d = _mm256_set1_ps(f16(b)), dmin = _mm256_set1_ps(f16(b + 2));
-  _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc)))));
-  const __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
+  __m256 scales, mins;
+  q4k_scales(b, scales, mins);
+  _mm256_store_ps(scale, scales);
   for (int r = 0; r < MT * V::kRows; ++r) off[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + r * G), off[r]);
   const uint8_t* qs = b + 16;
   for (int c = 0; c < 4; ++c) {  // 32 bytes: group 2c in the low nibbles, 2c + 1 in the high
@@ -172,8 +166,7 @@ struct RowSums {
     for (int64_t bi = b0; bi < b1; ++bi) {
       const uint8_t* b = w + bi * Q::kBytes;
       const int64_t k = bi * Q::kWeights;
-      for (int line = 0; line < Q::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
+      prefetch_ahead(b, Q::kBytes);
       if constexpr (std::is_same_v<Q, Q4_K>) {
         q4k_block<MT>(b, xm + V::kRows * k, xsm + k / 32, K, G, a, ov);
       } else if constexpr (std::is_same_v<Q, Q6_K8>) {
