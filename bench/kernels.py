@@ -66,32 +66,41 @@ def random_blocks(rows: int, columns: int, qtype: int, generator: torch.Generato
     return blocks.reshape(rows, -1)
 
 
-def gguf_rates(rows_list: list[int]) -> dict[int, float]:
-    """GB/s of blocks read by quant_linear over all layers, per activation row count."""
+# The GGUF products by format: Q4_K_M's Q4_K projections (K = 1536) and its Q6_K8 down projection
+# (K = 8960, so a batch of rows walks its columns in chunks).
+GGUF_GROUPS = {"Q4_K": Q4_K, "Q6_K8": Q6_K8}
+
+
+def gguf_rates(rows_list: list[int]) -> dict[str, dict[int, float]]:
+    """GB/s of blocks read by quant_linear over all layers, per format and for all of them (the
+    formats' bytes over the sum of their times), per activation row count."""
     kernels = cpu_kernels()
     assert kernels is not None, "the GGUF kernel needs our CPU kernels"
     generator = torch.Generator().manual_seed(0)
-    layers = [
-        [
-            (
-                random_blocks(n, k, Q4_K if k == 1536 else Q6_K8, generator),
-                Q4_K if k == 1536 else Q6_K8,
-            )
-            for n, k in SHAPES
-        ]
-        for _ in range(NUM_LAYERS)
-    ]
-    total_bytes = sum(w.numel() for layer in layers for w, _ in layer)
-    rates = {}
+    groups: dict[str, list[torch.Tensor]] = {name: [] for name in GGUF_GROUPS}
+    for _ in range(NUM_LAYERS):
+        for n, k in SHAPES:
+            name = "Q4_K" if k == 1536 else "Q6_K8"
+            groups[name].append(random_blocks(n, k, GGUF_GROUPS[name], generator))
+    rates: dict[str, dict[int, float]] = {name: {} for name in (*GGUF_GROUPS, "all")}
     for rows in rows_list:
         xs = {k: torch.randn(rows, k) for _, k in SHAPES}
+        seconds = {}
+        for name, weights in groups.items():
+            qtype = GGUF_GROUPS[name]
 
-        def one_pass(xs: dict[int, torch.Tensor] = xs) -> None:
-            for layer in layers:
-                for w, qtype in layer:
+            def one_pass(
+                weights: list[torch.Tensor] = weights,
+                qtype: int = qtype,
+                xs: dict[int, torch.Tensor] = xs,
+            ) -> None:
+                for w in weights:
                     kernels.quant_linear(xs[w.shape[1] // BLOCK_BYTES[qtype] * 256], w, qtype)
 
-        rates[rows] = total_bytes / min(timed(one_pass) for _ in range(2)) / 1e9
+            seconds[name] = min(timed(one_pass) for _ in range(2))
+            rates[name][rows] = sum(w.numel() for w in weights) / seconds[name] / 1e9
+        total = sum(w.numel() for weights in groups.values() for w in weights)
+        rates["all"][rows] = total / sum(seconds.values()) / 1e9
     return rates
 
 
@@ -103,26 +112,25 @@ def gguf_main(rows_list: list[int], is_child: bool) -> None:
     assert kernels is not None, "the GGUF kernel needs our CPU kernels"
     env = {**os.environ, "SPECSERVE_CPU_ISA": "avx2"}
     command = [sys.executable, __file__, "--gguf", "--child", "--rows", *map(str, rows_list)]
+    child = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     avx2 = {
-        int(k): v
-        for k, v in json.loads(
-            subprocess.run(
-                command, env=env, check=True, capture_output=True, text=True
-            ).stdout.splitlines()[-1]
-        ).items()
+        name: {int(k): v for k, v in by_rows.items()}
+        for name, by_rows in json.loads(child.stdout.splitlines()[-1]).items()
     }
     this = gguf_rates(rows_list) if kernels.quant_isa() != "avx2" else None
+    isa = kernels.quant_isa()
     print(
-        f"GGUF blocks (Q4_K, Q6_K8), 28 layers of the 1.5B's shapes, GB/s read (higher is better); CPU form here: {kernels.quant_isa()}"
+        f"GGUF blocks, 28 layers of the 1.5B's shapes, GB/s read (higher is better); CPU form here: {isa}"
     )
-    print(f"{'rows':>5} {'AVX2':>9} {kernels.quant_isa():>9} {'ratio':>7}")
-    for rows in rows_list:
-        if this is None:
-            print(f"{rows:>5} {avx2[rows]:>9.2f}")
-        else:
-            print(
-                f"{rows:>5} {avx2[rows]:>9.2f} {this[rows]:>9.2f} {this[rows] / avx2[rows]:>6.2f}x"
-            )
+    for name in avx2:
+        print(f"{name}:")
+        print(f"{'rows':>5} {'AVX2':>9} {isa:>9} {'ratio':>7}")
+        for rows in rows_list:
+            line = f"{rows:>5} {avx2[name][rows]:>9.2f}"
+            if this is not None:
+                ratio = this[name][rows] / avx2[name][rows]
+                line += f" {this[name][rows]:>9.2f} {ratio:>6.2f}x"
+            print(line)
 
 
 def main() -> None:
