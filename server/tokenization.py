@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,8 +30,8 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        # One worker: the copy is only ever used by it.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._thread: threading.Thread | None = None
 
     async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt ids of `messages` rendered by the model's chat template."""
@@ -49,15 +48,7 @@ class PromptTokenizer:
 
     async def _run(self, fn: Any, arg: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._call, fn, arg)
-
-    def _call(self, fn: Any, arg: Any) -> Any:
-        # One worker thread: the copy is only ever used by it (checked, not assumed).
-        current = threading.current_thread()
-        if self._thread is None:
-            self._thread = current
-        assert self._thread is current, "a PromptTokenizer's tokenizer is used by one thread"
-        return fn(self._tokenizer, arg)
+        return await loop.run_in_executor(self._pool, fn, self._tokenizer, arg)
 
 
 def _encode_all(

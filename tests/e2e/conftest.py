@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from engine.engine import LLMEngine
 from server.async_engine import AsyncEngine
+from server.settings import Settings
 from tests.conftest import build_tiny_model
 
 T = TypeVar("T")
@@ -72,6 +73,22 @@ def build_chat_model(directory: Path, **config: object) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, path / name)
     return path
+
+
+def tiny_settings(model_path: Path, name: str, **overrides: Any) -> Settings:
+    """Server settings for a tiny chat model served as `name`: float32, a 512-token context,
+    16-token KV blocks; `overrides` replace or add fields."""
+    values: dict[str, Any] = dict(
+        model=str(model_path),
+        served_model_name=name,
+        dtype="float32",
+        max_model_len=512,
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+    )
+    return Settings(**{**values, **overrides})
 
 
 @dataclass

@@ -40,8 +40,7 @@ from server.protocol import (
     CompletionRequest,
     TextContentPart,
 )
-from server.settings import Settings
-from tests.e2e.conftest import LiveServer, live_server
+from tests.e2e.conftest import LiveServer, live_server, tiny_settings
 from tests.openapi_spec import SPEC_PATH
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -189,18 +188,7 @@ def api_schema(stripped_spec) -> Any:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path) -> Iterator[LiveServer]:
-    settings = Settings(
-        model=str(tiny_chat_model),
-        served_model_name=MODEL,
-        dtype="float32",
-        max_model_len=512,
-        block_size=16,
-        num_kv_blocks=256,
-        max_num_seqs=16,
-        max_num_batched_tokens=512,
-        max_body_bytes=256 * 1024,
-        log_level="warning",
-    )
+    settings = tiny_settings(tiny_chat_model, MODEL, max_body_bytes=256 * 1024, log_level="warning")
     with live_server(create_app(settings)) as live:
         yield live
 

@@ -14,8 +14,7 @@ import pytest
 import server.tokenization as tokenization
 from engine.tokenizer import apply_chat_template
 from server.app import create_app
-from server.settings import Settings
-from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_idle
+from tests.e2e.conftest import IDLE, LiveServer, live_server, tiny_settings, wait_idle
 
 MODEL = "tiny-chat"
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -23,15 +22,8 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path) -> Iterator[LiveServer]:
-    settings = Settings(
-        model=str(tiny_chat_model),
-        served_model_name=MODEL,
-        dtype="float32",
-        max_model_len=512,
-        block_size=16,
-        num_kv_blocks=128,
-        max_num_seqs=4,
-    )
+    # Predictions speculate: a text prediction's ids must be the engine's to be accepted.
+    settings = tiny_settings(tiny_chat_model, MODEL, speculative_config={"method": "prediction"})
     with live_server(create_app(settings)) as live:
         yield live
 
@@ -110,6 +102,16 @@ def test_text_prompts_and_predictions_become_the_engines_ids(server):
     # A chat prompt's ids: the chat template's, as the engine's own tokenizer renders them.
     chat = _chat(server.base_url, max_tokens=1).json()
     assert chat["usage"]["prompt_tokens"] == len(apply_chat_template(tokenizer, HELLO))
-    # A text prediction is tokenised the same way (speculation off here: it only has to pass).
-    predicted = _chat(server.base_url, prediction={"type": "content", "content": "Hi"})
-    assert predicted.status_code == 200, predicted.text
+    # A text prediction is tokenised as the engine would: the greedy answer given back as the
+    # prediction is accepted as drafts, and the answer is unchanged.
+    answer = _chat(server.base_url, max_tokens=12, ignore_eos=True).json()
+    text = answer["choices"][0]["message"]["content"]
+    predicted = _chat(
+        server.base_url,
+        max_tokens=12,
+        ignore_eos=True,
+        prediction={"type": "content", "content": text},
+    ).json()
+    assert predicted["choices"][0]["message"]["content"] == text
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
