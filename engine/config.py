@@ -6,21 +6,23 @@ architecture. Nothing writes to either after construction.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
+from pydantic import Field
 
 from engine.attention import backend_spec, resolve_attention_backend
-from engine.spec.config import SpeculativeConfig
+from engine.speculation.config import SpeculativeConfig
 from engine.tokenizer import config_eos_token_ids
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Quantization = Literal["auto", "none", "gguf"]
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -41,6 +43,11 @@ SUPPORTED_ARCHITECTURES = (
 class EngineConfig:
     """What the user asked for, with the hardware choices resolved once, when it is built.
 
+    Every field is declared once, here: type, default, bounds and description (pydantic `Field`
+    metadata, which the dataclass itself ignores). `__post_init__` enforces the bounds and choices
+    for `LLM(**kwargs)`; the server derives its engine settings, flags and `--help` from the same
+    declarations, so the two cannot drift apart.
+
     `device`, `attention_backend` and `block_size` are resolved together in `__post_init__`:
     device "auto" is "cuda" when torch sees a GPU, else "cpu"; attention_backend "auto" is
     flash_attn on CUDA with flash-attn installed (when it accepts the dtype and block size asked
@@ -51,63 +58,108 @@ class EngineConfig:
     backend accepts. Sizes left as None are derived from the model and the device.
     """
 
-    model: str
-    dtype: Dtype = "auto"
-    # "gguf": the linears of a model converted from a GGUF file multiply by the file's own blocks
-    # (CPU; engine.models.gguf); "none": dense weights in `dtype`; "auto": gguf where it can be
-    # served (a GGUF model on the CPU with the CPU kernels), else none. Activations and the KV
-    # cache are in `dtype` either way.
-    quantization: Quantization = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_model_len: int | None = None
-    # None (the default): the attention backend's default. __post_init__ always sets it, so every
-    # reader sees an int, which is what the annotation states.
-    block_size: int = None  # type: ignore[assignment]
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
-    seed: int = 0
-    tokenizer: str | None = None
-    # CUDA: the share of the device's memory the engine may use (weights, activations and the KV
-    # of every model); the KV budget is what is left of it once every weight is loaded.
-    gpu_memory_utilization: float = 0.9
-    # CUDA: run every step eagerly instead of replaying captured CUDA graphs for small steps.
-    enforce_eager: bool = False
+    model: Annotated[
+        str, Field(description="bundled model name, Hugging Face directory or .gguf file")
+    ]
+    dtype: Annotated[
+        Dtype,
+        Field(
+            description="dense weights, activations and the KV cache; auto: the checkpoint's "
+            "(bfloat16 for float16 on the CPU, float32 where GGUF blocks are served)"
+        ),
+    ] = "auto"
+    quantization: Annotated[
+        Quantization,
+        Field(
+            description="gguf (multiply by a GGUF model's own quantised blocks; CPU), none "
+            "(dense weights in --dtype) or auto (gguf where it can run, else none)"
+        ),
+    ] = "auto"
+    device: Annotated[
+        str, Field(description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    ] = "auto"
+    max_num_seqs: Annotated[int, Field(ge=1, description="most requests in one step")] = 16
+    max_num_batched_tokens: Annotated[
+        int,
+        Field(ge=1, description="most tokens computed in one step (longer prompts go in chunks)"),
+    ] = 256
+    max_model_len: Annotated[
+        int | None,
+        Field(
+            ge=2,
+            description="longest prompt + output in tokens (default: the model's, no more than "
+            "the KV cache holds)",
+        ),
+    ] = None
+    # None: the attention backend's default. __post_init__ always sets it, so every reader sees
+    # an int, which is what the annotation states.
+    block_size: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="KV cache page size in tokens (default: the attention backend's, 16 for "
+            "torch and cpu, 256 for flash_attn)",
+        ),
+    ] = None  # type: ignore[assignment]
+    num_kv_blocks: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="KV cache blocks, for the target and the draft model alike (default: "
+            "what the memory budget holds)",
+        ),
+    ] = None
+    kv_cache_memory: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="bytes the KV cache of every model may take together (default: CUDA: "
+            "what gpu_memory_utilization leaves; CPU: 2 GiB)",
+        ),
+    ] = None
+    enable_prefix_caching: Annotated[
+        bool, Field(description="reuse the cached KV of a prompt's known prefix")
+    ] = True
+    attention_backend: Annotated[
+        str,
+        Field(
+            description="auto (flash_attn on CUDA with flash-attn installed, cpu on a CPU where "
+            "our kernels build, else torch), torch, cpu or flash_attn"
+        ),
+    ] = "auto"
+    speculative_config: Annotated[
+        Mapping[str, Any] | SpeculativeConfig | None,
+        Field(
+            description="speculative decoding, a mapping (JSON in a flag or variable), e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+        ),
+    ] = None
+    seed: Annotated[
+        int, Field(description="the engine's seed, from which requests without one draw theirs")
+    ] = 0
+    tokenizer: Annotated[
+        str | None, Field(description="tokenizer directory (default: the model's)")
+    ] = None
+    # The KV budget is what is left of this share once every model's weights are loaded.
+    gpu_memory_utilization: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description="CUDA: share of the GPU's memory the engine may use (weights, "
+            "activations and the KV of every model)",
+        ),
+    ] = 0.9
+    enforce_eager: Annotated[
+        bool, Field(description="CUDA: run every step eagerly (no CUDA graphs)")
+    ] = False
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(
-                f"dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}."
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
-                f"got {self.quantization!r}."
-            )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}.")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
-            )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}.")
+        for name, declared in _declarations().items():
+            _check_declared(name, declared, getattr(self, name))
         self._resolve_hardware()
 
     def _resolve_hardware(self) -> None:
@@ -168,6 +220,44 @@ class EngineConfig:
             assert backend.dtypes, "a backend that refuses a dtype lists the ones it accepts"
             dtype = _DTYPES[backend.dtypes[0]]
         return dtype
+
+
+_COMPARISONS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
+@functools.cache
+def _declarations() -> dict[str, Any]:
+    """EngineConfig's annotations with their `Field` metadata (resolved once: they are strings)."""
+    return get_type_hints(EngineConfig, include_extras=True)
+
+
+def _check_declared(name: str, declared: Any, value: Any) -> None:
+    """Raise a ValueError naming `name` where `value` breaks what its declaration states: a
+    Literal's choices, a bool, the Field's bounds. None is the "not set" of every optional."""
+    if value is None:
+        return
+    kind, *infos = get_args(declared)
+    if get_origin(kind) is Literal and value not in get_args(kind):
+        raise ValueError(f"{name} must be one of {', '.join(get_args(kind))}; got {value!r}.")
+    if kind is bool and not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}.")
+    bounds = {
+        key: getattr(constraint, key)
+        for info in infos
+        for constraint in info.metadata
+        for key in _COMPARISONS
+        if hasattr(constraint, key)
+    }
+    if not all(_COMPARISONS[key](value, bound) for key, bound in bounds.items()):
+        raise ValueError(f"{name} must be {_bounds_text(bounds)}, got {value}.")
+
+
+def _bounds_text(bounds: dict[str, Any]) -> str:
+    if bounds.keys() == {"ge"}:
+        return f"at least {bounds['ge']}"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds.get('gt', '-inf')}"
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds.get('lt', 'inf')})"
+    return f"in {low}, {high}"
 
 
 @dataclass(frozen=True)

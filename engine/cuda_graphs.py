@@ -43,7 +43,7 @@ import torch
 
 from engine.attention.base import BatchLayout, flatten_step
 from engine.models.llama import ForwardContext
-from engine.spec.config import SpeculativeConfig
+from engine.speculation.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

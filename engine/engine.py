@@ -1,4 +1,5 @@
-"""`LLMEngine`: add requests, abort them, and step. One step is schedule, run, update.
+"""`LLMEngine`: add requests, abort them, and step. One step goes one way: schedule, propose,
+run (the target forward and the verify), update, observe (see `step`).
 
 A user request with n > 1 fans out into n sequences that share the prompt (and, through the
 prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
@@ -6,20 +7,16 @@ prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
-
-import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.loading import load_draft_runner, maybe_load_tokenizer
 from engine.memory import log_memory, plan_for, release_freed_heap
 from engine.metrics import EngineMetrics
 from engine.models.bundled import resolve_model
@@ -29,15 +26,18 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.spec.config import SpeculativeConfig
-from engine.spec.proposer import Draft
-from engine.spec.speculator import DEFAULT_PREDICTION_TOKENS, ProposerContext, Speculator
-from engine.spec.stats import PolicyStats, SpecStats
-from engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculation.config import SpeculativeConfig
+from engine.speculation.proposer import Draft
+from engine.speculation.speculator import (
+    DEFAULT_PREDICTION_TOKENS,
+    ProposerContext,
+    Speculator,
+    shadow_result,
+)
+from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
+from engine.tokenizer import encode_text, eos_token_ids
 from engine.verifier import StepTokens, Verifier
-
-logger = logging.getLogger(__name__)
 
 _SEED_MODULUS = 2**64
 
@@ -49,7 +49,7 @@ class LLMEngine:
         self.config = config
         model_path = resolve_model(config.model)
         self.model_config = ModelConfig.from_path(model_path)
-        self.tokenizer = _maybe_load_tokenizer(config.tokenizer or model_path)
+        self.tokenizer = maybe_load_tokenizer(config.tokenizer or model_path)
         self.eos_token_ids = self.model_config.eos_token_ids
         if self.tokenizer is not None:
             self.eos_token_ids = tuple(
@@ -61,7 +61,7 @@ class LLMEngine:
         # Every model's weights first, then one KV budget measured after them for the KV of all.
         max_positions = config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, max_positions)
-        self.draft_runner = _load_draft_runner(
+        self.draft_runner = load_draft_runner(
             config, spec_config, self.runner, max_positions, self.tokenizer
         )
         runners = [r for r in (self.runner, self.draft_runner) if r is not None]
@@ -94,8 +94,11 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_len,
-            plan_drafts=self.speculator.plan,
+            policy=self.speculator.policy,
         )
+        # Cumulative speculation counters and policy decisions, counted from each StepStats.
+        self.spec_stats = SpecStats()
+        self.policy_stats = PolicyStats()
         self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
         # Seeds for requests that bring none: reproducible from the engine's own seed.
@@ -193,17 +196,15 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        for request, completion in zip(group.requests, group.output.outputs, strict=True):
+        for request in group.requests:
             if not request.is_finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                completion.finish_reason = "abort"
-        group.output.finished = True
+                self.speculator.free(request)
         return True
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.metrics.record_finished(request, status.value, time.monotonic())
         self.scheduler.finish(request, status)
-        self.speculator.free(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -214,46 +215,38 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step
 
-    @property
-    def spec_stats(self) -> SpecStats:
-        return self.speculator.stats
-
-    @property
-    def policy_stats(self) -> PolicyStats:
-        return self.speculator.policy_stats
-
     def step(self) -> list[RequestOutput]:
-        """Schedule, draft, run the target once, verify, update. Returns the changed outputs."""
-        step_start = time.perf_counter()
-        schedule = self.scheduler.schedule()
+        """One step, in one direction: schedule (each request's tokens, and its draft tokens from
+        the speculator's offers), propose the drafts, run the target and verify, update the
+        requests, and let everyone who learns or counts observe the step's StepStats. Returns the
+        outputs that changed."""
+        start = time.perf_counter()
+        schedule = self.scheduler.schedule(self.speculator.offer(self.scheduler.running))
         if schedule.is_empty:
             return []
         self._record_scheduled(schedule)
-        draft_time = self.speculator.stats.draft_time
-        drafts = self.speculator.propose(schedule.scheduled)
-        drafting = self.speculator.stats.draft_time - draft_time
-        if any(s.num_draft_tokens for s in schedule.scheduled):
-            self.metrics.draft_time.observe(drafting)
-        device = self.runner.device
-        start = device.mark()
+        proposing = time.perf_counter()
+        drafts = self.speculator.propose(schedule)
+        draft_seconds = time.perf_counter() - proposing
         chunks, items = self._build_batch(schedule, drafts)
-        logits = self.runner.forward(chunks)
-        results = self.verifier.run(logits, items) if logits is not None else []
-        end = device.mark()
-        # The step's one synchronisation: every mark taken in it (the draft model's too) has
-        # passed, so the times below are device work, not kernel launches.
-        device.synchronize()
-        seconds = device.elapsed(start, end)
-        if drafts:
-            self.speculator.stats.verify_time += seconds
-            self.metrics.verify_time.observe(seconds)
-        # The policy's step-time model learns from every measured forward.
-        self.speculator.observe_step(chunks, seconds)
-        outputs = self._update(schedule, chunks, drafts, results)
-        # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.
-        rest = time.perf_counter() - step_start - seconds - drafting
-        self.speculator.planner.observe_overhead(rest, bool(drafts))
-        return outputs
+        results, forward_seconds = self._run(chunks, items)
+        verifies, finished, touched = self._update(schedule, chunks, drafts, results)
+        stats = StepStats(
+            decisions=schedule.decisions,
+            verifies=tuple(verifies),
+            num_tokens=sum(len(c.token_ids) for c in chunks),
+            num_rows=sum(c.num_logits for c in chunks),
+            context=sum(c.start + len(c.token_ids) for c in chunks),
+            forward_seconds=forward_seconds,
+            draft_seconds=draft_seconds,
+            # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.
+            overhead_seconds=time.perf_counter() - start - forward_seconds - draft_seconds,
+            draft_timing=self.speculator.take_draft_timing(),
+        )
+        self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
+        for request in finished:  # freed once the policy has seen their last step
+            self.speculator.free(request)
+        return [group.refresh() for group in touched]
 
     def _record_scheduled(self, schedule: SchedulerOutput) -> None:
         """Queue times of sequences scheduled for the first time; a user request's prompt
@@ -289,13 +282,32 @@ class LLMEngine:
                 items.append((request, draft))
         return chunks, items
 
+    def _run(
+        self, chunks: list[SeqChunk], items: list[tuple[Request, Draft | None]]
+    ) -> tuple[list[StepTokens], float]:
+        """The target forward and the verify; returns their results and device seconds."""
+        device = self.runner.device
+        start = device.mark()
+        logits = self.runner.forward(chunks)
+        results = self.verifier.run(logits, items) if logits is not None else []
+        end = device.mark()
+        # The step's one synchronisation: every mark taken in it (the draft model's too) has
+        # passed, so the times the policy learns from are device work, not kernel launches.
+        device.synchronize()
+        return results, device.elapsed(start, end)
+
     def _update(
         self,
         schedule: SchedulerOutput,
         chunks: list[SeqChunk],
         drafts: dict[str, Draft],
         results: list[StepTokens],
-    ) -> list[RequestOutput]:
+    ) -> tuple[list[VerifyResult], list[Request], list[RequestGroup]]:
+        """Append each request's tokens, roll its KV back past rejected drafts, finish it on a
+        stop condition. Returns the step's verify results, the requests it finished and the
+        groups it changed."""
+        verifies: list[VerifyResult] = []
+        finished: list[Request] = []
         touched: dict[str, RequestGroup] = {}
         step_results = iter(results)
         for s, chunk in zip(schedule.scheduled, chunks, strict=True):
@@ -304,86 +316,51 @@ class LLMEngine:
                 self.scheduler.update(request, chunk.start + s.num_new_tokens)
                 continue
             result = next(step_results)
-            self._apply(s, chunk, result, drafts.get(request.request_id))
+            num_old = request.num_output_tokens
+            status, num_dropped = append_tokens(
+                request, result.token_ids, result.logprobs, self.eos_token_ids, self.max_model_len
+            )
+            self.metrics.record_tokens(
+                request, request.num_output_tokens - num_old, time.monotonic()
+            )
+            draft = drafts.get(request.request_id)
+            if draft is not None:
+                num_cut = min(num_dropped, result.num_accepted)
+                verifies.append(
+                    VerifyResult(
+                        request.request_id,
+                        draft.source,
+                        result.num_draft_tokens,
+                        result.num_accepted,
+                        num_cut,
+                    )
+                )
+            elif (shadow := shadow_result(s, result.token_ids[0])) is not None:
+                verifies.append(shadow)
+            # KV stays valid for the known tokens and the accepted drafts; rejected slots roll
+            # back (and so do accepted ones a stop condition cut off).
+            num_computed = min(
+                chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
+            )
+            self.scheduler.update(request, num_computed)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
             group_id = request.request_id.rpartition("#")[0]
             touched[group_id] = self._groups[group_id]
-        outputs = []
         for group_id, group in touched.items():
-            outputs.append(group.refresh())
-            if group.output.finished:
+            if all(r.is_finished for r in group.requests):
                 del self._groups[group_id]
-        return outputs
+        return verifies, finished, list(touched.values())
 
-    def _apply(
-        self, s: ScheduledRequest, chunk: SeqChunk, result: StepTokens, draft: Draft | None
-    ) -> None:
-        request = s.request
-        num_old = request.num_output_tokens
-        status, num_dropped = append_tokens(
-            request, result.token_ids, result.logprobs, self.eos_token_ids, self.max_model_len
-        )
-        self.metrics.record_tokens(request, request.num_output_tokens - num_old, time.monotonic())
-        if draft is not None:
-            num_cut = min(num_dropped, result.num_accepted)
-            self.speculator.stats.record(
-                result.num_draft_tokens, result.num_accepted, draft.source, num_cut
-            )
-            request.spec_stats.record(
-                result.num_draft_tokens, result.num_accepted, draft.source, num_cut
-            )
-            self.speculator.observe_verify(request, draft, result.num_accepted)
-        else:
-            self.speculator.observe_plain(request)
-        # KV stays valid for the known tokens and the accepted drafts; rejected slots roll back
-        # (and so do accepted ones a stop condition cut off).
-        num_computed = min(
-            chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
-        )
-        self.scheduler.update(request, num_computed)
-        if status is not None:
-            self._finish(request, status)
-
-
-def _load_draft_runner(
-    config: EngineConfig,
-    spec: SpeculativeConfig | None,
-    target: ModelRunner,
-    max_positions: int,
-    tokenizer: Any,
-) -> ModelRunner | None:
-    """The draft model's runner (weights only) when the speculative config has one, in
-    spec.draft_dtype or the target's dtype; it must share the target's tokenizer."""
-    if spec is None or "draft_model" not in spec.methods:
-        return None
-    assert spec.model is not None
-    draft_config = ModelConfig.from_path(resolve_model(spec.model))
-    _check_draft_vocabulary(draft_config.vocab_size, target.model_config.vocab_size, tokenizer)
-    dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
-    return ModelRunner(config, draft_config, max_positions, dtype)
-
-
-def _check_draft_vocabulary(draft_vocab: int, target_vocab: int, tokenizer: Any) -> None:
-    """Checkpoints of one family pad their embedding tables differently (Qwen2.5-Coder: 152,064
-    rows at 7B, 151,936 at 1.5B), so the two vocabulary sizes may differ as long as both cover
-    every id the shared tokenizer makes; the draft never proposes an id past the target's."""
-    if draft_vocab == target_vocab:
-        return
-    num_ids = len(tokenizer) if tokenizer is not None else None
-    if num_ids is None or num_ids > min(draft_vocab, target_vocab):
-        covers = f"the tokenizer's {num_ids} ids" if num_ids else "a tokenizer's ids"
-        raise ValueError(
-            f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
-            f"({target_vocab}) and they do not both cover {covers}; they must share a tokenizer."
-        )
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def _maybe_load_tokenizer(path: Any) -> Any:
-    """The model's tokenizer, or None for a checkpoint without one (prompts are then token ids)."""
-    path = Path(path)
-    if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
-        logger.info("no tokenizer in %s: prompts must be token ids", path)
-        return None
-    return load_tokenizer(path)
+    def _observe(self, stats: StepStats, requests: dict[str, Request]) -> None:
+        """Everyone who learns from or counts a step reads the same StepStats."""
+        self.speculator.observe(stats)
+        self.spec_stats.observe(stats)
+        self.policy_stats.observe(stats)
+        self.metrics.observe_step(stats)
+        for v in stats.verifies:
+            if not v.is_shadow:
+                requests[v.request_id].spec_stats.record(
+                    v.num_draft_tokens, v.num_accepted, v.source, v.num_cut
+                )

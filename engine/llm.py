@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 
@@ -66,11 +66,12 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step until every request finished; their whole outputs (the steps' deltas added up)."""
+        accumulator = OutputAccumulator()
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+            for output in accumulator.add_step(self.engine.step()):
+                finished[output.request_id] = output
         return [finished[i] for i in ids]
 
 

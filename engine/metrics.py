@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.speculation.stats import StepStats
 
 
 class Histogram:
@@ -112,6 +113,14 @@ class EngineMetrics:
         if num_new:
             self.inter_token_latency.observe((now - last) / num_new, num_new)
         request.last_token_time = now
+
+    def observe_step(self, step: StepStats) -> None:
+        """A step's drafting time (when some request was granted drafts) and verify time (when
+        drafts were verified)."""
+        if any(d.num_draft_tokens for d in step.decisions):
+            self.draft_time.observe(step.draft_seconds)
+        if step.has_drafts:
+            self.verify_time.observe(step.forward_seconds)
 
     def record_finished(self, request: Request, reason: str, now: float) -> None:
         """A sequence finished with `reason` (stop, length or abort) at `now`."""

@@ -7,36 +7,59 @@ length) ends the output there: nothing after it is emitted.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
+from engine.speculation.stats import SpecStats
 
 
 class RequestGroup:
-    """The n sequences of one user request and the output object they fill."""
+    """The n sequences of one user request, and how much of each its outputs have carried."""
 
-    def __init__(self, output: RequestOutput, requests: list[Request]) -> None:
-        self.output = output
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        requests: list[Request],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids  # never changed: every output shares it
         self.requests = requests
+        self._num_sent = [0] * len(requests)  # output tokens (and logprobs) already carried
+        self._final_stats: list[SpecStats | None] = [None] * len(requests)
 
     def refresh(self) -> RequestOutput:
-        """Bring the output up to date with the sequences; `new_*` hold what changed."""
-        for request, completion in zip(self.requests, self.output.outputs, strict=True):
-            num_old = len(completion.token_ids)
-            completion.new_token_ids = request.output_token_ids[num_old:]
-            completion.new_text = request.output_text[len(completion.text) :]
-            completion.token_ids = list(request.output_token_ids)
-            completion.text = request.output_text
-            if completion.logprobs is not None and request.logprobs is not None:
-                completion.logprobs = list(request.logprobs)
-            completion.num_cached_tokens = request.num_cached_tokens
-            completion.spec_stats = request.spec_stats
-            if request.is_finished:
-                completion.finish_reason = request.status.value
-                completion.stop_reason = request.stop_reason
-        self.output.finished = all(r.is_finished for r in self.requests)
-        return self.output
+        """A new output holding what the sequences added since the last refresh: the engine
+        calls this once per step for every group the step advanced."""
+        completions = [self._advance(i, request) for i, request in enumerate(self.requests)]
+        finished = all(c.finished for c in completions)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, completions, finished
+        )
+
+    def _advance(self, index: int, request: Request) -> CompletionOutput:
+        start = self._num_sent[index]
+        end = self._num_sent[index] = request.num_output_tokens
+        text, request.unsent_text = request.unsent_text, ""
+        finish_reason = request.status.value if request.is_finished else None
+        if finish_reason is not None and self._final_stats[index] is None:
+            # Taken once, when the counters are final; this group's later outputs share it.
+            self._final_stats[index] = copy.deepcopy(request.spec_stats)
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=request.output_token_ids[start:end],
+            logprobs=None if request.logprobs is None else request.logprobs[start:end],
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_output_tokens=end,
+            num_cached_tokens=request.num_cached_tokens,
+            spec_stats=self._final_stats[index],
+        )
 
 
 def append_tokens(
@@ -64,7 +87,7 @@ def append_tokens(
         status = _check_stop(request, eos_token_ids, max_model_len)
         if status is not None:
             if request.detokenizer is not None and request.stop_reason is None:
-                request.output_text += request.detokenizer.flush()
+                request.unsent_text += request.detokenizer.flush()
             return status, len(token_ids) - i - 1
     return None, 0
 
@@ -82,7 +105,7 @@ def _check_stop(
         return RequestStatus.FINISHED_STOPPED
     if not is_stop_token and request.detokenizer is not None:
         update = request.detokenizer.append([token_id])
-        request.output_text += update.text
+        request.unsent_text += update.text
         if update.stop_string is not None:
             request.stop_reason = update.stop_string
             return RequestStatus.FINISHED_STOPPED
@@ -94,14 +117,4 @@ def _check_stop(
 def new_group(
     request_id: str, prompt: str | None, prompt_token_ids: list[int], requests: list[Request]
 ) -> RequestGroup:
-    params = requests[0].params
-    output = RequestOutput(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=prompt_token_ids,
-        outputs=[
-            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-            for i in range(len(requests))
-        ],
-    )
-    return RequestGroup(output, requests)
+    return RequestGroup(request_id, prompt, prompt_token_ids, requests)

@@ -16,7 +16,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.spec.stats import SpecStats
+from engine.speculation.stats import SpecStats
 
 _MASK64 = (1 << 64) - 1
 
@@ -77,7 +77,7 @@ class Request:
         # that other steps or other requests advance.
         self.sampling_seed = params.seed if params.seed is not None else (sampling_seed or 0)
         self.detokenizer: Any = None  # set by the engine when a tokenizer is present
-        self.output_text = ""
+        self.unsent_text = ""  # decoded, not yet in an output (the next one takes it)
         # time.monotonic() stamps, like arrival_time (the engine's metrics set them).
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

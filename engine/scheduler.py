@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.speculation.goodput import StepShape
+from engine.speculation.policy import Candidate
+from engine.speculation.stats import Decision
+
+if TYPE_CHECKING:
+    from engine.speculation.speculator import DraftOffer
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +31,20 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: known tokens to compute, and draft tokens it may verify
-    (slots are reserved for both; a proposer may fill fewer drafts than granted)."""
+    (slots are reserved for both; a proposer may fill fewer drafts than granted) from its offer."""
 
     request: Request
     num_new_tokens: int
     num_draft_tokens: int = 0
+    offer: DraftOffer | None = None
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What to compute this step, in batch order."""
+    """What to compute this step, in batch order, and the policy's final decisions."""
 
     scheduled: tuple[ScheduledRequest, ...]
+    decisions: tuple[Decision, ...] = ()
     num_preempted: int = 0
 
     @property
@@ -47,9 +56,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
 
 
-# plan_drafts(candidates, base_tokens, context, budget, num_running) -> k per candidate, where a
-# candidate is (decoding request, most drafts the step has room for).
-DraftPlan = Callable[[Sequence[tuple[Request, int]], int, int, int, int], list[int]]
+class DraftPolicy(Protocol):
+    """Decides each decoding request's draft tokens (engine/speculation/policy.py)."""
+
+    def decide(self, candidates: Sequence[Candidate], shape: StepShape) -> list[Decision]: ...
 
 
 class Scheduler:
@@ -61,14 +71,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        plan_drafts: DraftPlan | None = None,
+        policy: DraftPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # How many draft tokens each decoding request may verify this step (the policy).
-        self.plan_drafts = plan_drafts
+        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
@@ -83,7 +92,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, offers: Mapping[str, DraftOffer] | None = None) -> SchedulerOutput:
+        """The step: running requests first, then drafts for those with an offer (the policy's
+        k, within the budget left after what waiting requests need), then admissions."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preempted = 0
@@ -100,10 +111,14 @@ class Scheduler:
             kept.append((request, num_new))
             budget -= num_new
             i += 1
-        drafts = self._plan(kept, budget - self._reserved_for_waiting(budget))
-        for (request, num_new), num_drafts in zip(kept, drafts, strict=True):
-            scheduled.append(ScheduledRequest(request, num_new, num_drafts))
-            budget -= num_drafts
+        grants, decisions = self._grant_drafts(
+            kept, offers or {}, budget - self._reserved_for_waiting(budget)
+        )
+        for request, num_new in kept:
+            k = grants.get(request.request_id, 0)
+            offer = (offers or {}).get(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, k, offer))
+            budget -= k
 
         # Admitting new work right after preempting would only thrash the cache.
         while self.waiting and not num_preempted and budget > 0:
@@ -128,7 +143,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        return SchedulerOutput(tuple(scheduled), num_preempted)
+        return SchedulerOutput(tuple(scheduled), tuple(decisions), num_preempted)
 
     def _reserved_for_waiting(self, budget: int) -> int:
         """Budget kept for admitting waiting requests: new work comes before drafts (a draft
@@ -142,33 +157,47 @@ class Scheduler:
                 return budget
         return wanted
 
-    def _plan(self, kept: list[tuple[Request, int]], budget: int) -> list[int]:
-        """Draft tokens per kept request: the policy's grant for decoding requests, within the
-        budget left, the context and max_tokens (a step emits at most drafts + 1 tokens), and the
-        free blocks — speculation never preempts anyone."""
-        drafts = [0] * len(kept)
-        if self.plan_drafts is None or budget <= 0:
-            return drafts
-        candidates, where = [], []
-        for j, (request, num_new) in enumerate(kept):
+    def _grant_drafts(
+        self, kept: list[tuple[Request, int]], offers: Mapping[str, DraftOffer], budget: int
+    ) -> tuple[dict[str, int], list[Decision]]:
+        """Draft tokens per kept decoding request with an offer: the policy's decision within the
+        budget, the context and max_tokens (a step emits at most drafts + 1 tokens) and what the
+        offer can fill; then slots for them from the free blocks (speculation never preempts
+        anyone). A grant the pool cannot hold becomes k = 0 before the decision is final."""
+        if self.policy is None:
+            return {}, []
+        candidates = []
+        for request, num_new in kept:
+            offer = offers.get(request.request_id)
+            if offer is None or num_new != 1:
+                continue
             room = min(
                 self.max_model_len - request.num_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
+                offer.max_tokens,
             )
-            if num_new == 1 and request.num_output_tokens > 0 and room > 0:
-                candidates.append((request, room))
-                where.append(j)
+            if room > 0:
+                candidates.append(Candidate(request, room, offer.source, offer.num_catch_up))
         if not candidates:
-            return drafts
-        base_tokens = sum(num_new for _, num_new in kept)
-        context = sum(r.num_computed_tokens + n for r, n in kept)
-        granted = self.plan_drafts(candidates, base_tokens, context, budget, len(self.running))
-        for j, k in zip(where, granted, strict=True):
-            request, num_new = kept[j]
-            target = request.num_computed_tokens + num_new + k
-            if k > 0 and self.block_manager.allocate_slots(request.request_id, target):
-                drafts[j] = k
-        return drafts
+            return {}, []
+        shape = StepShape(
+            base_tokens=sum(num_new for _, num_new in kept),
+            base_rows=sum(r.num_computed_tokens + n == r.num_tokens for r, n in kept),
+            context=sum(r.num_computed_tokens + n for r, n in kept),
+            budget=max(budget, 0),
+            num_running=len(self.running),
+        )
+        decisions = self.policy.decide(candidates, shape)
+        grants = {}
+        for i, (c, d) in enumerate(zip(candidates, decisions, strict=True)):
+            target = c.request.num_computed_tokens + 1 + d.num_draft_tokens
+            if d.num_draft_tokens and not self.block_manager.allocate_slots(
+                c.request.request_id, target
+            ):
+                decisions[i] = replace(d, num_draft_tokens=0, reason="kv_cache_full")
+            elif d.num_draft_tokens:
+                grants[c.request.request_id] = d.num_draft_tokens
+        return grants, decisions
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, int]:
         """Reserve slots for num_new more tokens, preempting from the back of the running list.

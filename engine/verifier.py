@@ -27,8 +27,8 @@ from engine.device import to_device
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, with_logprobs
-from engine.spec.proposer import Draft
-from engine.spec.rejection import rejection_sample, verify_by_sampling
+from engine.speculation.proposer import Draft
+from engine.speculation.rejection import rejection_sample, verify_by_sampling
 
 # Generator streams of one output position (stream 0 samples the token itself).
 VERIFY_STREAM = 1

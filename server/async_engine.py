@@ -5,8 +5,9 @@ Threading contract:
   runs on the engine thread. Asyncio code reaches it only through a thread-safe command queue
   that the loop drains at the top of every iteration, so an abort lands before the next step.
 - Outputs go back through one asyncio.Queue per request, fed with `loop.call_soon_threadsafe`.
-  The engine updates its `RequestOutput` objects in place, so the thread hands over a snapshot of
-  each: a consumer that falls behind still sees every step's delta.
+  Each is what one step added to the request, and the engine never changes it afterwards, so the
+  thread hands it over as it is; the queue keeps every one, so a consumer that falls behind still
+  receives each delta, in order.
 - Idle, the thread blocks on the command queue; with work, it steps back to back.
 - If `engine.step()` raises, the error is logged, every in-flight and pending caller gets an
   `EngineDeadError`, and the engine stays dead (`is_alive` False).
@@ -15,19 +16,17 @@ Threading contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from server.engine_channel import Abort, Add, Call, Command, OutputStream, Stop, settle
 
 logger = logging.getLogger(__name__)
 
@@ -45,55 +44,6 @@ class EngineDeadError(RuntimeError):
     """The engine loop does not serve: it failed, was never started, or is shutting down (503)."""
 
 
-class _Stream:
-    """One request's channel from the engine thread to its asyncio consumer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        # Engine thread only: the admitted request and the latest snapshot sent.
-        self.request: _Add | None = None
-        self.last: RequestOutput | None = None
-
-    def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hand an item to the consumer; False if its event loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    prediction: str | Sequence[int] | None
-    arrival_time: float
-    stream: _Stream
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-    stream: _Stream  # abort only if this stream still owns the id (a disconnect)
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-
-
-class _Stop:
-    """Abort what is left and end the loop."""
-
-
-_Command = _Add | _Abort | _Call | _Stop
-
-
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread and streams its outputs to asyncio callers.
 
@@ -105,7 +55,7 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}.")
         self.engine = engine
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Guards the flags and counts below, shared by the engine thread and asyncio callers.
         self._lock = threading.Lock()
@@ -117,7 +67,7 @@ class AsyncEngine:
         self._num_running = 0
         self._num_unfinished = 0
         # Engine thread only.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._num_taken = 0
 
     # ------------------------------------------------------------------------ lifecycle
@@ -139,7 +89,7 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout
         while self.is_alive and self._has_work() and time.monotonic() < deadline:
             await asyncio.sleep(_SHUTDOWN_POLL_S)
-        self._send(_Stop())
+        self._send(Stop())
         await asyncio.to_thread(self._thread.join, _JOIN_TIMEOUT_S)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
@@ -176,13 +126,14 @@ class AsyncEngine:
         params: SamplingParams,
         prediction: str | Sequence[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs (cumulative, with the step's delta), the finished one last.
+        """Yield the request's outputs, each what one step added to it (see `engine.outputs`),
+        the finished one last.
 
         Raises on the first `__anext__`, before any output: ValueError for input the engine
         rejects, QueueFullError when `max_queue` requests wait, EngineDeadError when the engine
         does not serve. Closing or cancelling the iteration aborts the request."""
-        stream = _Stream(asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, prediction, time.monotonic(), stream))
+        stream = OutputStream(asyncio.get_running_loop())
+        self._submit(Add(request_id, prompt, params, prediction, time.monotonic(), stream))
         is_done = False
         try:
             while True:
@@ -196,7 +147,7 @@ class AsyncEngine:
                     return
         finally:
             if not is_done:  # the consumer went away: free the request's blocks
-                self._send(_Abort(request_id, stream))
+                self._send(Abort(request_id, stream))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with finish_reason "abort". False if unknown."""
@@ -210,11 +161,11 @@ class AsyncEngine:
         and checks; keep it short). Its exception is raised here and does not harm the loop."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        if not self._send(_Call(fn, future, loop)):
+        if not self._send(Call(fn, future, loop)):
             raise EngineDeadError(self._why_not_serving())
         return await future
 
-    def _submit(self, command: _Add) -> None:
+    def _submit(self, command: Add) -> None:
         with self._lock:
             if not self._is_accepting:
                 raise EngineDeadError(self._why_not_serving())
@@ -223,7 +174,7 @@ class AsyncEngine:
             self._num_pending += 1
             self._commands.put(command)
 
-    def _send(self, command: _Command) -> bool:
+    def _send(self, command: Command) -> bool:
         with self._lock:
             if self._is_closed:
                 return False
@@ -251,7 +202,7 @@ class AsyncEngine:
 
     def _run_once(self) -> bool:
         for command in self._drain(block=not self.engine.has_unfinished_requests()):
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 for request_id in list(self._streams):
                     self._abort(request_id, None)
                 return False
@@ -263,7 +214,7 @@ class AsyncEngine:
             self._publish()
         return True
 
-    def _drain(self, block: bool) -> Iterator[_Command]:
+    def _drain(self, block: bool) -> Iterator[Command]:
         """Commands in arrival order; lazily, so that those after a stop stay queued."""
         if block:
             yield self._commands.get()
@@ -273,18 +224,18 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, Add):
             self._add(command)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, Abort):
             self._abort(command.request_id, command.stream)
-        elif isinstance(command, _Call):
+        elif isinstance(command, Call):
             try:
-                _settle(command, command.fn(self.engine), None)
+                settle(command, command.fn(self.engine), None)
             except Exception as exc:
-                _settle(command, None, exc)
+                settle(command, None, exc)
 
-    def _add(self, command: _Add) -> None:
+    def _add(self, command: Add) -> None:
         self._num_taken += 1
         try:
             self.engine.add_request(
@@ -302,7 +253,7 @@ class AsyncEngine:
         command.stream.request = command
         self._streams[command.request_id] = command.stream
 
-    def _abort(self, request_id: str, by: _Stream | None) -> bool:
+    def _abort(self, request_id: str, by: OutputStream | None) -> bool:
         """Abort a request. `by` set: its consumer left (abort only if that stream still owns the
         id: a rejected duplicate must not abort the original). `by` None: tell the consumer."""
         stream = self._streams.get(request_id)
@@ -315,13 +266,9 @@ class AsyncEngine:
             stream.put(self._aborted_output(request_id, stream))
         return True
 
-    def _aborted_output(self, request_id: str, stream: _Stream) -> RequestOutput:
+    def _aborted_output(self, request_id: str, stream: OutputStream) -> RequestOutput:
         if stream.last is not None:
-            outputs = [
-                replace(c, new_text="", new_token_ids=[], finish_reason=c.finish_reason or "abort")
-                for c in stream.last.outputs
-            ]
-            return replace(stream.last, outputs=outputs, finished=True)
+            return stream.last.aborted()
         # Aborted before its first output (rare): rebuild the output from the request.
         request = stream.request
         assert request is not None
@@ -348,12 +295,11 @@ class AsyncEngine:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        snapshot = _snapshot(output)
         if output.finished:
             del self._streams[output.request_id]
         else:
-            stream.last = snapshot
-        if not stream.put(snapshot) and not output.finished:
+            stream.last = output
+        if not stream.put(output) and not output.finished:
             logger.warning("the consumer of %r is gone: aborting it", output.request_id)
             self._abort(output.request_id, stream)
 
@@ -393,29 +339,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 command.stream.put(EngineDeadError(self._why_not_serving()))
-            elif isinstance(command, _Call):
-                _settle(command, None, EngineDeadError(self._why_not_serving()))
-
-
-def _settle(command: _Call, result: Any, exc: BaseException | None) -> None:
-    """Resolve a call's future on its own event loop (unless the caller gave up on it)."""
-
-    def settle() -> None:
-        if command.future.done():
-            return
-        if exc is not None:
-            command.future.set_exception(exc)
-        else:
-            command.future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # the caller's event loop is closed
-        command.loop.call_soon_threadsafe(settle)
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the engine will not change. Its refresh rebinds (never mutates) the lists of a
-    completion, so shallow copies do, except spec_stats, which is updated in place."""
-    outputs = [replace(c, spec_stats=copy.deepcopy(c.spec_stats)) for c in output.outputs]
-    return replace(output, outputs=outputs)
+            elif isinstance(command, Call):
+                settle(command, None, EngineDeadError(self._why_not_serving()))

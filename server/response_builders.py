@@ -1,14 +1,14 @@
 """Engine outputs -> OpenAI responses and stream chunks.
 
-Builders read the CUMULATIVE fields of `engine.outputs.CompletionOutput` (text, token_ids,
-logprobs) and keep their own count of what was already sent, so a stream stays exact even when
-the bridge skips or merges engine outputs. Logprob token strings come from a `TokenDecoder`
-(build one per model). An aborted completion (finish_reason "abort") has no OpenAI form: the
-builders raise ValueError for it, and the route answers with an error instead.
+Response builders read whole outputs (an `OutputAccumulator`'s); stream builders read the
+engine's per-step outputs, each once and in order, and send what each one adds (see
+`engine.outputs`). Logprob token strings come from a `TokenDecoder` (build one per model). An
+aborted completion (finish_reason "abort") has no OpenAI form: the builders raise ValueError for
+it, and the route answers with an error instead.
 
 With `include_spec_stats` every choice carries `speculative_decoding_stats` (our extension), read
 from the completion's own counters: on each choice of a response, and in a stream on the chunk
-that carries the choice's finish_reason (the counters are final only then).
+that carries the choice's finish reason (the output that finishes a completion brings them).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.spec.stats import SpecStats
+from engine.speculation.stats import SpecStats
 from server.responses import (
     SYSTEM_FINGERPRINT,
     ChatChoiceLogprobs,
@@ -69,10 +69,11 @@ def finish_reason_of(reason: str) -> FinishReason:
 
 
 def usage_of(outputs: Sequence[RequestOutput]) -> Usage:
-    """Usage of one or more engine requests (several prompts of one completions call)."""
+    """Usage of one or more finished engine requests (several prompts of one completions call),
+    from their whole or their last outputs: both hold the counts."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completions = [c for o in outputs for c in o.outputs]
-    completion_tokens = sum(len(c.token_ids) for c in completions)
+    completion_tokens = sum(c.num_output_tokens for c in completions)
     stats = [c.spec_stats for c in completions if c.spec_stats is not None]
     return Usage(
         prompt_tokens=prompt_tokens,
@@ -203,23 +204,11 @@ def build_completion_response(
 
 @dataclass
 class _Sent:
-    """How much of one choice a stream has sent."""
+    """Where one choice of a stream stands."""
 
-    num_chars: int = 0
-    num_logprobs: int = 0
     is_started: bool = False
     is_finished: bool = False
     offsets: TextOffsets | None = None
-
-    def new_text(self, c: CompletionOutput) -> str:
-        text = c.text[self.num_chars :]
-        self.num_chars = len(c.text)
-        return text
-
-    def new_logprobs(self, c: CompletionOutput) -> list[TokenLogprob]:
-        entries = (c.logprobs or [])[self.num_logprobs :]
-        self.num_logprobs += len(entries)
-        return entries
 
 
 @dataclass
@@ -232,6 +221,8 @@ class _Stream:
     _last: dict[int, RequestOutput] = field(default_factory=dict)  # by prompt index
 
     def _finish(self, sent: _Sent, c: CompletionOutput) -> FinishReason | None:
+        """The finish reason the first time an output of the choice has one (later outputs of
+        the request repeat it)."""
         if c.finish_reason is None or sent.is_finished:
             return None
         sent.is_finished = True
@@ -243,7 +234,7 @@ class ChatStream(_Stream):
     final chunk with an empty delta and the finish reason; then `usage_chunk()`."""
 
     def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[ChatCompletionChunk]:
-        """Chunks for the output's news. A chat has one prompt: prompt_index is always 0 and
+        """Chunks for what the output adds. A chat has one prompt: prompt_index is always 0 and
         only there so chat and completions streams share one interface."""
         self._last[0] = output
         chunks = []
@@ -253,7 +244,7 @@ class ChatStream(_Stream):
                 sent.is_started = True
                 delta = ChatCompletionDelta(role="assistant", content="")
                 chunks.append(self._chunk(ChatCompletionStreamChoice(index=c.index, delta=delta)))
-            text, entries = sent.new_text(c), sent.new_logprobs(c)
+            text, entries = c.text, c.logprobs or []
             if text or entries:
                 logprobs = None if c.logprobs is None else chat_logprobs(entries, self.tokens)
                 choice = ChatCompletionStreamChoice(
@@ -313,7 +304,7 @@ class CompletionStream(_Stream):
         for c in output.outputs:
             index = prompt_index * self.n + c.index
             sent = self._sent.setdefault(index, _Sent(offsets=TextOffsets(self.tokens)))
-            text, entries = sent.new_text(c), sent.new_logprobs(c)
+            text, entries = c.text, c.logprobs or []
             reason = self._finish(sent, c)
             if not (text or entries or reason):
                 continue

@@ -8,7 +8,9 @@ Sources, lowest precedence first:
    comma-separated list;
 3. command-line flags (`--max-num-seqs 8`; flags left out do not override anything).
 
-`load_settings` merges them once into a frozen `Settings`; nothing writes to it later.
+`load_settings` merges them once into a frozen `Settings`; nothing writes to it later. The engine
+fields are `EngineConfig`'s own declarations (type, default, bounds, description), and every flag
+and its `--help` text comes from a field's declaration.
 """
 
 from __future__ import annotations
@@ -17,57 +19,85 @@ import argparse
 import dataclasses
 import json
 import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic.fields import FieldInfo
 
-from engine.config import Dtype, EngineConfig, Quantization
-from engine.spec.config import SpeculativeConfig
+from engine.config import EngineConfig
+from engine.speculation.config import SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
-class Settings(BaseModel):
-    """Everything `specserve serve` and `specserve generate` need, resolved once."""
+def _engine_fields() -> dict[str, Any]:
+    """EngineConfig's fields as pydantic fields: its declarations (type, default, bounds,
+    description) are the engine settings', so neither can drift from the other. A None default
+    means "not set", so None is also a value a setting may take (block_size: the backend's)."""
+    declared = get_type_hints(EngineConfig, include_extras=True)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        kind, *infos = get_args(declared[f.name])
+        if f.default is None:
+            kind = kind | None
+        default = ... if f.default is dataclasses.MISSING else f.default
+        fields[f.name] = (Annotated[(kind, *infos)], default)
+    return fields
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # --- engine ---
-    model: str
-    served_model_name: str | None = None  # None: the model argument
-    dtype: Dtype = "auto"
-    quantization: Quantization = "auto"
-    device: str = "auto"
-    max_num_seqs: Annotated[int, Field(ge=1)] = 16
-    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 256
-    max_model_len: Annotated[int | None, Field(ge=2)] = None
-    block_size: Annotated[int | None, Field(ge=1)] = None  # None: the attention backend's
-    kv_cache_memory: Annotated[int | None, Field(ge=1)] = None
-    num_kv_blocks: Annotated[int | None, Field(ge=1)] = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    speculative_config: dict[str, Any] | None = None
-    seed: int = 0
-    tokenizer: str | None = None
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    enforce_eager: bool = False
+_EngineSettings = create_model(
+    "_EngineSettings",
+    __config__=ConfigDict(frozen=True, extra="forbid"),
+    **_engine_fields(),
+)
 
-    # --- server ---
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port
-    api_key: str | None = None
-    max_queue: Annotated[int, Field(ge=1)] = 256
-    cors_allow_origins: list[str] = []
-    shutdown_timeout: Annotated[float, Field(ge=0)] = 30.0
-    max_body_bytes: Annotated[int, Field(ge=1)] = 4 << 20
-    stream_one_token_per_chunk: bool = False
-    speculation_stats: bool = False  # every choice reports speculative_decoding_stats
-    log_level: LogLevel = "info"
-    log_stats_interval: Annotated[float, Field(ge=0)] = 10.0  # seconds; 0: no stats log line
+
+class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
+    """Everything `specserve serve` and `specserve generate` need, resolved once: the engine's
+    fields (EngineConfig's), then the server's."""
+
+    served_model_name: Annotated[
+        str | None, Field(description="the name clients send as `model` (default: --model)")
+    ] = None
+    host: Annotated[str, Field(description="address to listen on")] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535, description="port to listen on (0: any free)")] = (
+        8000
+    )
+    api_key: Annotated[
+        str | None,
+        Field(description=f"require `Authorization: Bearer KEY` (or set {ENV_PREFIX}API_KEY)"),
+    ] = None
+    max_queue: Annotated[
+        int, Field(ge=1, description="requests that may wait for admission before new ones get 429")
+    ] = 256
+    cors_allow_origins: Annotated[
+        list[str], Field(description="comma-separated origins allowed by CORS ('*' for any)")
+    ] = []
+    shutdown_timeout: Annotated[
+        float, Field(ge=0, description="seconds in-flight requests may finish after SIGTERM")
+    ] = 30.0
+    max_body_bytes: Annotated[
+        int, Field(ge=1, description="largest request body accepted (413 above)")
+    ] = 4 << 20
+    stream_one_token_per_chunk: Annotated[
+        bool, Field(description="send one SSE chunk per token, not one per engine step")
+    ] = False
+    speculation_stats: Annotated[
+        bool,
+        Field(description="add speculative_decoding_stats to every choice (else per request)"),
+    ] = False
+    log_level: Annotated[LogLevel, Field(description="critical, error, warning, info or debug")] = (
+        "info"
+    )
+    log_stats_interval: Annotated[
+        float, Field(ge=0, description="seconds between engine stats log lines (0: none)")
+    ] = 10.0
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -81,10 +111,10 @@ class Settings(BaseModel):
 
     @field_validator("speculative_config")
     @classmethod
-    def _valid_speculation(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _valid_speculation(cls, value: Any) -> Any:
         # Checked with the rest of the settings, before the server binds: a bad one would
         # otherwise only fail once the model loads.
-        if value is not None:
+        if isinstance(value, Mapping):
             SpeculativeConfig.from_dict(value)
         return value
 
@@ -110,8 +140,7 @@ class Settings(BaseModel):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `EngineConfig` (those left unset are left out)."""
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        values = self.model_dump(include=names)
+        values = self.model_dump(include=set(ENGINE_FIELDS))
         return {name: value for name, value in values.items() if value is not None}
 
     def engine_config(self) -> EngineConfig:
@@ -119,48 +148,42 @@ class Settings(BaseModel):
 
 
 FIELDS = tuple(Settings.model_fields)
-_BOOL_FLAGS = {
-    "enable_prefix_caching",
-    "enforce_eager",
-    "stream_one_token_per_chunk",
-    "speculation_stats",
-}
-_FLAG_HELP = {
-    "model": "bundled model name, Hugging Face directory or .gguf file",
-    "served_model_name": "the name clients send as `model` (default: --model)",
-    "api_key": f"require `Authorization: Bearer KEY` (or set {ENV_PREFIX}API_KEY)",
-    "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
-    "quantization": "gguf (multiply by a GGUF model's own quantised blocks; CPU), none (dense "
-    "weights in --dtype) or auto (gguf where it can run, else none)",
-    "attention_backend": "auto (flash_attn on CUDA with flash-attn installed, cpu on a CPU "
-    "where our kernels build, else torch), torch, cpu or flash_attn",
-    "block_size": "KV cache page size in tokens (default: the attention backend's, "
-    "16 for torch and cpu, 256 for flash_attn)",
-    "gpu_memory_utilization": "CUDA: share of the GPU's memory the engine may use, in (0, 1]",
-    "enforce_eager": "CUDA: run every step eagerly (no CUDA graphs)",
-    "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    "cors_allow_origins": "comma-separated origins allowed by CORS ('*' for any)",
-    "shutdown_timeout": "seconds in-flight requests may finish after SIGTERM",
-    "max_queue": "requests that may wait for admission before new ones get 429",
-    "max_body_bytes": "largest request body accepted (413 above)",
-    "log_stats_interval": "seconds between engine stats log lines (0: none)",
-    "stream_one_token_per_chunk": "send one SSE chunk per token, not one per engine step",
-    "speculation_stats": "add speculative_decoding_stats to every choice (else per request)",
-}
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, fields: tuple[str, ...] = FIELDS) -> None:
-    """`--config` and one flag per settings field; every default is None (= not given)."""
+    """`--config` and one flag per settings field, its help the field's description; every
+    default is None (= not given). A bool is `--x`/`--no-x`; an int or a float is converted here,
+    so a malformed number is refused naming its flag; a Literal lists its choices."""
     parser.add_argument("--config", help="YAML settings file with engine: and server: sections")
     for name in fields:
-        flag = "--" + name.replace("_", "-")
-        if name in _BOOL_FLAGS:
-            action: Any = argparse.BooleanOptionalAction
-            parser.add_argument(
-                flag, dest=name, action=action, default=None, help=_FLAG_HELP.get(name)
-            )
-        else:
-            parser.add_argument(flag, dest=name, default=None, help=_FLAG_HELP.get(name))
+        info = Settings.model_fields[name]
+        kind = _flag_type(info.annotation)
+        options: dict[str, Any] = {"dest": name, "default": None, "help": _flag_help(info)}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, float):
+            options["type"] = kind
+        elif get_origin(kind) is Literal:
+            options["choices"] = get_args(kind)
+        parser.add_argument("--" + name.replace("_", "-"), **options)
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The annotation without its None: a flag given always has a value."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        kinds = [kind for kind in get_args(annotation) if kind is not type(None)]
+        return kinds[0] if len(kinds) == 1 else None
+    return annotation
+
+
+def _flag_help(info: FieldInfo) -> str:
+    text = info.description or ""
+    default = info.default
+    if isinstance(default, bool):
+        text += f" (default: {'on' if default else 'off'})"
+    elif not info.is_required() and default not in (None, []):
+        text += f" (default: {default})"
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def load_settings(

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import SERVER_ERROR, OpenAIError, internal_error
@@ -110,11 +110,14 @@ class EngineStreams:
                     self._pending[future] = index
 
     async def final(self) -> list[RequestOutput]:
-        """Read to the end; the last output of each prompt, in prompt order."""
-        last = list(self._firsts)
+        """Read to the end; each prompt's whole output (its outputs added up), in prompt order."""
+        accumulator = OutputAccumulator()
+        whole: dict[int, RequestOutput] = {}
         async for index, output in self.outputs():
-            last[index] = output
-        return last
+            finished = accumulator.add(output)
+            if finished is not None:
+                whole[index] = finished
+        return [whole[index] for index in range(len(self._firsts))]
 
     async def aclose(self) -> None:
         """Stop reading: requests still running are aborted. Safe to call more than once.
@@ -143,49 +146,55 @@ async def _close_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
 
 
 class TokenSplitter:
-    """Splits an output whose step added several tokens to a choice into one snapshot per token.
+    """Splits an output whose step added several tokens to a choice into one output per token.
 
-    Intermediate texts come from the tokens' own bytes (a character split across tokens waits
-    for its last byte) and are clipped to a prefix of the step's final text, so stop strings and
-    skipped special tokens never show; the step's real output is always the last snapshot."""
+    The texts in between come from the tokens' own bytes (a character split across tokens waits
+    for its last byte) and are clipped to a prefix of the step's text, so stop strings and
+    skipped special tokens never show; a choice's last piece brings the rest of its text, its
+    finish reason and its counters. The pieces add up to the output, which ends them."""
 
     def __init__(self, tokens: TokenDecoder) -> None:
         self._tokens = tokens
-        self._seen: dict[tuple[int, int], tuple[int, str]] = {}  # (prompt, choice): tokens, text
 
-    def split(self, output: RequestOutput, prompt_index: int = 0) -> list[RequestOutput]:
-        seen = [self._seen.get((prompt_index, c.index), (0, "")) for c in output.outputs]
-        num_new = [len(c.token_ids) - n for c, (n, _) in zip(output.outputs, seen, strict=True)]
-        for c in output.outputs:
-            self._seen[(prompt_index, c.index)] = (len(c.token_ids), c.text)
-        steps = max(num_new, default=0)
+    def split(self, output: RequestOutput) -> list[RequestOutput]:
+        steps = max((len(c.token_ids) for c in output.outputs), default=0)
         if steps <= 1:
             return [output]
-        snapshots = []
-        for j in range(1, steps):
-            outputs = [
-                self._partial(c, s, j) if k > j else c
-                for c, s, k in zip(output.outputs, seen, num_new, strict=True)
-            ]
-            snapshots.append(replace(output, outputs=outputs, finished=False))
-        snapshots.append(output)
-        return snapshots
+        pieces = [self._pieces(c, steps) for c in output.outputs]
+        split = [
+            replace(output, outputs=[p[j] for p in pieces], finished=False)
+            for j in range(steps - 1)
+        ]
+        return [*split, replace(output, outputs=[p[-1] for p in pieces])]
 
-    def _partial(self, c: CompletionOutput, seen: tuple[int, str], j: int) -> CompletionOutput:
-        num_seen, text_seen = seen
-        new_ids = c.token_ids[num_seen : num_seen + j]
+    def _pieces(self, c: CompletionOutput, steps: int) -> list[CompletionOutput]:
+        """`c` in `steps` pieces: one per token, then empty ones."""
+        num_tokens = len(c.token_ids)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text = text_seen + decoder.decode(b"".join(self._tokens.token_bytes(t) for t in new_ids))
-        return replace(
-            c,
-            text=_common_prefix(text, c.text),
-            token_ids=c.token_ids[: num_seen + j],
-            logprobs=None if c.logprobs is None else c.logprobs[: num_seen + j],
-            finish_reason=None,
-            stop_reason=None,
-            new_text="",
-            new_token_ids=new_ids[-1:],
+        decoded, num_shown = "", 0
+        pieces = []
+        for j, token_id in enumerate(c.token_ids[:-1]):
+            decoded += decoder.decode(self._tokens.token_bytes(token_id))
+            shown = len(_common_prefix(decoded, c.text))
+            pieces.append(
+                replace(
+                    c,
+                    text=c.text[num_shown:shown],
+                    token_ids=[token_id],
+                    logprobs=None if c.logprobs is None else c.logprobs[j : j + 1],
+                    finish_reason=None,
+                    stop_reason=None,
+                    num_output_tokens=c.num_output_tokens - num_tokens + j + 1,
+                    spec_stats=None,
+                )
+            )
+            num_shown = shown
+        logprobs = None if c.logprobs is None else c.logprobs[-1:]
+        pieces.append(
+            replace(c, text=c.text[num_shown:], token_ids=c.token_ids[-1:], logprobs=logprobs)
         )
+        empty = replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+        return pieces + [empty] * (steps - len(pieces))
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -225,7 +234,7 @@ async def stream_events(
     try:
         async for index, output in streams.outputs():
             check_not_aborted(output)
-            for piece in splitter.split(output, index) if splitter else [output]:
+            for piece in splitter.split(output) if splitter else [output]:
                 for chunk in builder.chunks(piece, index):
                     yield sse(chunk, builder.include_usage)
         usage = builder.usage_chunk()

@@ -78,7 +78,8 @@ def guarded(tiny_chat_model) -> Iterator[LiveServer]:
         max_queue=2,
         max_num_seqs=1,
         stream_one_token_per_chunk=True,
-        speculative_config={"method": "prediction", "num_speculative_tokens": 4},
+        # always: the tests here check what speculation does, not whether it pays on a tiny model.
+        speculative_config={"method": "prediction", "num_speculative_tokens": 4, "mode": "always"},
     )
     # The other way in: the caller builds the engine; the lifespan starts and stops it.
     engine = AsyncEngine(LLMEngine(settings.engine_config()), settings.max_queue)

@@ -66,8 +66,8 @@ class _Recorder:
         self._schedule = scheduler.schedule
         scheduler.schedule = self  # type: ignore[method-assign]
 
-    def __call__(self):
-        out = self._schedule()
+    def __call__(self, offers=None):
+        out = self._schedule(offers)
         self.steps.append(
             [
                 (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens)

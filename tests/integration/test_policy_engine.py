@@ -1,57 +1,30 @@
-"""The speculation policy at work in the planner and the engine, against a fake step-time model
-(flat to 8 query tokens, then proportional to n): k falls to 0 past the knee and comes back when
-load drops; opt-outs, caps and each operator limit are honoured and counted with their reason;
-a paused draft model catches up exactly; calibration fits what it times."""
+"""The speculation policy at work, driven as the engine drives it and in the engine, against a
+fake step-time model (flat to 8 query tokens, then proportional to n): k falls to 0 past the knee
+and comes back when load drops; opt-outs, caps and each operator limit are honoured and counted
+with their reason; a paused draft model catches up exactly; calibration fits what it times."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 
 from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec.calibration import calibrate, is_plausible
-from engine.spec.planner import Candidate, DraftPlanner
-
-KNEE = 8
-
-
-@dataclass
-class FlatThenLinear:
-    """A forward over 1..KNEE tokens costs one base step; past it, cost grows with n."""
-
-    knee: int = KNEE
-
-    def predict(self, n: int, context: int = 0) -> float:
-        return max(1.0, n / KNEE)
-
-    def observe(self, n: int, context: int, seconds: float) -> None:
-        """The fake does not learn: the tests control the curve."""
-
-
-@dataclass
-class FixedMonitor:
-    value: float
-
-    def utilization(self, num_step_tokens: int) -> float:
-        return self.value
+from engine.speculation.calibration import calibrate, is_plausible
+from engine.speculation.policy import Candidate, SpeculationPolicy
+from tests.policy_fakes import KNEE, Driver, FixedMonitor, FlatThenLinear, requests, shape
 
 
 def _requests(num: int, **params) -> list[Request]:
-    return [
-        Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, **params), 64) for i in range(num)
-    ]
+    return requests(num, **params)
 
 
-def _planner(mode: str = "auto", **kw) -> DraftPlanner:
-    return DraftPlanner(mode, 7, ("ngram",), FlatThenLinear(), **kw)
+def _planner(mode: str = "auto", **kw) -> Driver:
+    return Driver(SpeculationPolicy(mode, 7, FlatThenLinear(), **kw))
 
 
-def _plan(planner: DraftPlanner, requests: list[Request], room: int = 7) -> list[int]:
-    num = len(requests)
-    return planner.plan([Candidate(r, room, "ngram") for r in requests], num, 100 * num, 256, num)
+def _plan(planner: Driver, reqs: list[Request], room: int = 7) -> list[int]:
+    return planner.plan_requests(reqs, room)
 
 
 def test_k_falls_to_zero_past_the_knee_and_comes_back() -> None:
@@ -82,7 +55,7 @@ def test_opt_out_and_caps_are_honoured() -> None:
     candidates = [
         Candidate(r, room, "ngram") for r, room in [(out, 7), (capped, 7), (zero, 7), (free, 3)]
     ]
-    ks = planner.plan(candidates, 4, 400, 256, 4)
+    ks = planner.plan(candidates, shape(4))
     assert ks[0] == 0 and ks[2] == 0
     assert 0 < ks[1] <= 2 and 0 < ks[3] <= 3
     assert planner.stats.decisions[("skip", "request_opt_out")] == 2
@@ -111,7 +84,7 @@ def test_modes_off_and_always() -> None:
     # Fixed K whatever the load, within the budget: 16 decode tokens + 16 x 7 drafts fit in 256.
     assert _plan(always, requests) == [7] * 16
     assert always.stats.decisions == {("speculate", "fixed"): 16}
-    tight = always.plan([Candidate(r, 7, "ngram") for r in requests], 16, 1600, 20, 16)
+    tight = always.plan([Candidate(r, 7, "ngram") for r in requests], shape(16, budget=20))
     assert sum(tight) == 20 and always.stats.decisions[("skip", "budget")] > 0
 
 
@@ -122,15 +95,13 @@ def test_draft_model_depth_pays_for_itself() -> None:
     planner = _planner(draft_forward_seconds=0.2)
     bad, good, lookup = _requests(3)
     for _ in range(30):
-        planner.observe_verify(bad, "draft_model", 5, 0)
-        planner.observe_verify(good, "draft_model", 5, 5)
-        planner.observe_verify(lookup, "ngram", 5, 2)
-    ks = planner.plan(
-        [Candidate(bad, 7, "draft_model"), Candidate(lookup, 7, "ngram")], 2, 200, 256, 2
-    )
+        planner.verify(bad, "draft_model", 5, 0)
+        planner.verify(good, "draft_model", 5, 5)
+        planner.verify(lookup, "ngram", 5, 2)
+    ks = planner.plan([Candidate(bad, 7, "draft_model"), Candidate(lookup, 7, "ngram")], shape(2))
     assert ks[0] == 0 and ks[1] > 0
     assert planner.stats.decisions[("skip", "low_acceptance")] == 1
-    ks = planner.plan([Candidate(good, 7, "draft_model")], 1, 100, 256, 1)
+    ks = planner.plan([Candidate(good, 7, "draft_model")], shape(1))
     assert ks[0] >= 5
 
 
@@ -141,22 +112,18 @@ def test_a_draft_model_the_prior_rules_out_is_tried_and_kept_where_it_pays() -> 
     dropped after a few verifies, one that accepts everything keeps drafting deep."""
     cost = 0.8
     prior = 0.6
-    assert _planner(draft_forward_seconds=cost).tracker.priors["draft_model"] == prior
-    judged_by_prior = DraftPlanner(
-        "auto", 7, ("draft_model",), FlatThenLinear(), draft_forward_seconds=cost
-    )
-    judged_by_prior.tracker.optimism = 0.0
+    assert _planner(draft_forward_seconds=cost).policy.tracker.priors["draft_model"] == prior
+    judged_by_prior = _planner(draft_forward_seconds=cost)
+    judged_by_prior.policy.tracker.optimism = 0.0
     first, second = _requests(2)
-    assert judged_by_prior.plan([Candidate(first, 7, "draft_model")], 1, 100, 256, 1) == [0]
-    planner = DraftPlanner(
-        "auto", 7, ("draft_model",), FlatThenLinear(), draft_forward_seconds=cost
-    )
+    assert judged_by_prior.plan([Candidate(first, 7, "draft_model")], shape(1)) == [0]
+    planner = _planner(draft_forward_seconds=cost)
     for request, accepted in ((first, lambda k: k), (second, lambda k: 0)):
-        ks = [planner.plan([Candidate(request, 7, "draft_model")], 1, 100, 256, 1)[0]]
+        ks = [planner.plan([Candidate(request, 7, "draft_model")], shape(1))[0]]
         assert ks[0] > 0
         for _ in range(8):
-            planner.observe_verify(request, "draft_model", ks[-1], accepted(ks[-1]))
-            ks.append(planner.plan([Candidate(request, 7, "draft_model")], 1, 100, 256, 1)[0])
+            planner.verify(request, "draft_model", ks[-1], accepted(ks[-1]))
+            ks.append(planner.plan([Candidate(request, 7, "draft_model")], shape(1))[0])
         if request is first:
             assert min(ks) > 0 and ks[-1] >= 5
         else:
@@ -178,7 +145,7 @@ def _engine_llm(target, method: str, draft=None, **spec) -> LLM:
 def test_engine_stops_speculating_under_load_and_resumes(target) -> None:
     llm = _engine_llm(target, "ngram")
     engine = llm.engine
-    engine.speculator.planner.step_model = FlatThenLinear()
+    engine.speculator.policy.step_model = FlatThenLinear()
     repetitive = [5, 6, 7, 8] * 6
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("long", repetitive, params)
@@ -202,8 +169,8 @@ def test_paused_draft_model_catches_up_exactly(target) -> None:
     llm = _engine_llm(target, "draft_model", draft=target, spec_disable_batch_size=2)
     engine = llm.engine
     # Against the fake step time (1 s), the self-draft's real forwards cost next to nothing.
-    engine.speculator.planner.step_model = FlatThenLinear()
-    engine.speculator.planner.draft_forward_seconds = 0.0
+    engine.speculator.policy.step_model = FlatThenLinear()
+    engine.speculator.policy.draft_forward_seconds = 0.0
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], params)
     engine.add_request("b", [2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=15))
@@ -232,6 +199,19 @@ def test_calibration_fits_what_it_times(target) -> None:
     assert not is_plausible(flat)  # timed while something else held the machine: not cached
     assert model.predict(4, 0) == pytest.approx(0.2, rel=0.05)
     assert model.predict(64, 0) == pytest.approx(1.6, rel=0.05)
+    # Verify-shaped batches: every token a logits row costing 0.01 more than the one-row curve.
+    rows = calibrate(
+        engine.runner,
+        engine.block_manager,
+        64,
+        engine.max_model_len,
+        timer=fake_timer,
+        batch_timer=lambda seqs, tokens: (
+            fake_timer(seqs * tokens, seqs * tokens) + 0.01 * (seqs * tokens - 1)
+        ),
+    )
+    assert model.row_coef == 0.0 and rows.row_coef == pytest.approx(0.01, rel=0.05)
+    assert rows.predict(16, 0, 16) == pytest.approx(model.predict(16, 0) + 0.15, rel=0.01)
     real = calibrate(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1)
     assert real.predict(1) > 0 and real.grid[-1] == 16
     assert engine.block_manager.num_used_blocks == 0

@@ -33,7 +33,8 @@ import torch
 import engine.verifier as verifier
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
-from engine.spec import rejection
+from engine.outputs import OutputAccumulator
+from engine.speculation import rejection
 from tests.conftest import build_tiny_model
 from tests.token_distribution import (
     TreeTest,
@@ -199,6 +200,7 @@ def _sample(
     attention backend runs as one batched call instead of one call per request."""
     assert num_samples % GROUP_SIZE == 0
     samples: list[list[int]] = []
+    whole = OutputAccumulator()
     groups_per_wave = MAX_NUM_SEQS // GROUP_SIZE
     num_groups = num_samples // GROUP_SIZE
     for g in range(num_groups):
@@ -215,9 +217,8 @@ def _sample(
         )
         if (g + 1) % groups_per_wave == 0 or g + 1 == num_groups:
             while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        samples.extend(c.token_ids[:DEPTH] for c in output.outputs)
+                for output in whole.add_step(engine.step()):
+                    samples.extend(c.token_ids[:DEPTH] for c in output.outputs)
     engine.block_manager.check_integrity()
     assert engine.block_manager.num_used_blocks == 0
     assert len(samples) == num_samples and all(len(s) == DEPTH for s in samples)

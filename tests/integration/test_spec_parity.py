@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.outputs import OutputAccumulator
 from tests.conftest import build_tiny_model
 from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
 
@@ -122,9 +123,9 @@ def test_sampling_with_one_hot_drafts_equals_plain_sampling(target):
     engine = LLM(str(target), dtype="float32", seed=3).engine
     for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(str(i), prompt, p, prediction=plain[i])
-    done = {}
+    done, whole = {}, OutputAccumulator()
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        done.update({o.request_id: o.outputs[0].token_ids for o in whole.add_step(engine.step())})
     assert [done[str(i)] for i in range(len(PROMPTS))] == plain
     assert engine.spec_stats.num_prediction_rejected == 0
 
@@ -139,11 +140,10 @@ def test_predicted_outputs(target, expected):
     engine = llm.engine
     engine.add_request("right", PROMPTS[0], params, prediction=truth)
     engine.add_request("edited", PROMPTS[0], params, prediction=edited)
-    done = {}
+    done, whole = {}, OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+        for out in whole.add_step(engine.step()):
+            done[out.request_id] = out.outputs[0]
     assert done["right"].token_ids == truth and done["edited"].token_ids == truth
     right = done["right"].spec_stats
     # Every token after the first (sampled at prefill) came from the prediction or as a bonus.

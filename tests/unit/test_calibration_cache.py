@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from engine import kernels
-from engine.spec import calibration
+from engine.speculation import calibration
 
 
 def _runner(quantization: str = "none") -> SimpleNamespace:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.spec.config import SpeculativeConfig
-from server.cli import load_engine_settings
-from server.settings import load_settings
+from engine.speculation.config import SpeculativeConfig
+from server.cli import build_parser, load_engine_settings
+from server.settings import ENGINE_FIELDS, FIELDS, Settings, load_settings
 
 
 def _args(**kwargs) -> argparse.Namespace:
@@ -102,3 +104,85 @@ def test_bad_settings_name_the_field(tmp_path, yaml_text, flags, message):
     config.write_text(yaml_text)
     with pytest.raises(ValueError, match=message):
         load_settings(config, flags, {})
+
+
+# --- flags derived from the settings' declarations ---------------------------------------------
+
+SERVE_FIELDS = tuple(name for name in FIELDS if name != "log_level")  # the top-level --log-level
+GENERATE_FIELDS = tuple(name for name in ENGINE_FIELDS if name != "seed")  # --seed: sampling
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@pytest.mark.parametrize(
+    ("command", "fields"), [("serve", SERVE_FIELDS), ("generate", GENERATE_FIELDS)]
+)
+def test_help_lists_every_flag_with_its_description(capsys, monkeypatch, command, fields):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse's layout follows the terminal's width
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    compact = "".join(text.split())  # argparse wraps lines, also after hyphens
+    for name in fields:
+        assert re.search(rf"^  {_flag(name)}[ ,\n]", text, re.MULTILINE), name
+        assert "".join(Settings.model_fields[name].description.split()) in compact, name
+    assert _undescribed(text) == []
+
+
+def _undescribed(help_text: str) -> list[str]:
+    """The options of a --help text that have no help: argparse starts it at column 24, on the
+    option's line or, after a long option, on the next one."""
+    lines = help_text.splitlines()
+    missing = []
+    for line, following in zip(lines, [*lines[1:], ""], strict=True):
+        if line.startswith("  -"):
+            beside = len(line) > 24 and line[22:24] == "  "
+            below = following.startswith(" " * 24) and not following[24:25].isspace()
+            if not (beside or below):
+                missing.append(line.split()[0])
+    return missing
+
+
+def test_generate_takes_the_engine_fields():
+    args = vars(build_parser().parse_args(["generate"]))
+    assert set(args) & set(SERVE_FIELDS) == set(GENERATE_FIELDS)
+    assert "sampling_seed" in args
+
+
+def test_bool_settings_have_a_no_flag():
+    bools = [name for name, info in Settings.model_fields.items() if info.annotation is bool]
+    assert {"enable_prefix_caching", "enforce_eager", "speculation_stats"} <= set(bools)
+    parser = build_parser()
+    for name in bools:
+        assert getattr(parser.parse_args(["serve", _flag(name)]), name) is True
+        no_flag = "--no-" + _flag(name)[2:]
+        assert getattr(parser.parse_args(["serve", no_flag]), name) is False
+        # Not given: the YAML file, the environment or the default decides.
+        assert getattr(parser.parse_args(["serve"]), name) is None
+
+
+def test_numbers_are_converted_by_the_flag(capsys):
+    args = build_parser().parse_args(
+        ["serve", "--port", "9000", "--gpu-memory-utilization", "0.5", "--block-size", "32"]
+    )
+    assert (args.port, args.gpu_memory_utilization, args.block_size) == (9000, 0.5, 32)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-num-seqs", "abc"])
+    assert "argument --max-num-seqs: invalid int value: 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--dtype", "fp8"])
+    assert "argument --dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_undescribed_finds_an_option_without_help():
+    text = textwrap.dedent("""\
+        options:
+          -h, --help            show this help message and exit
+          --prompt PROMPT
+          --max-num-batched-tokens MAX_NUM_BATCHED_TOKENS
+                                most tokens computed in one step
+          --max-tokens MAX_TOKENS
+        """)
+    assert _undescribed(text) == ["--prompt", "--max-tokens"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import engine.kernels
 from engine.attention import BACKENDS, check_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from server.cli import build_parser, load_cli_settings
-from server.settings import load_settings
+from server.settings import ENGINE_FIELDS, Settings, load_settings
 
 
 def fake_cuda_node(monkeypatch: pytest.MonkeyPatch, *, flash_attn: bool = True) -> None:
@@ -267,6 +268,54 @@ def test_resolution_is_stable_and_frozen(monkeypatch):
 
 
 # --- settings and flags -----------------------------------------------------------------------
+
+
+def test_engine_settings_are_engine_config_fields():
+    fields = dataclasses.fields(EngineConfig)
+    # Settings' first fields are EngineConfig's, in its order (and so in --help).
+    assert tuple(Settings.model_fields)[: len(fields)] == tuple(f.name for f in fields)
+    declared = typing.get_type_hints(EngineConfig, include_extras=True)
+    for f in fields:
+        info = Settings.model_fields[f.name]
+        if f.default is dataclasses.MISSING:
+            assert info.is_required(), f.name
+        else:
+            assert info.default == f.default, f.name
+        _, declaration = typing.get_args(declared[f.name])
+        assert info.description == declaration.description, f.name
+        assert info.metadata == declaration.metadata, f.name  # the bounds
+
+
+def test_every_setting_has_a_description():
+    for name, info in Settings.model_fields.items():
+        assert info.description, name
+
+
+def _outside_the_bounds() -> list[tuple[str, float]]:
+    """One value beyond each bound an engine field declares."""
+    step = {"ge": -1, "gt": 0, "le": 1, "lt": 0}
+    return [
+        (name, getattr(bound, key) + offset)
+        for name in ENGINE_FIELDS
+        for bound in Settings.model_fields[name].metadata
+        for key, offset in step.items()
+        if hasattr(bound, key)
+    ]
+
+
+@pytest.mark.parametrize(("name", "value"), _outside_the_bounds())
+def test_a_declared_bound_holds_for_the_engine_and_the_settings(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        EngineConfig(model="m", **{name: value})
+    with pytest.raises(ValueError, match=name):
+        load_settings(None, {"model": "m", name: value}, {})
+
+
+def test_declared_choices_hold_for_the_engine_and_the_settings():
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float16, float32"):
+        EngineConfig(model="m", dtype="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype"):
+        load_settings(None, {"model": "m", "dtype": "fp8"}, {})
 
 
 def test_settings_round_trip_the_new_fields(tmp_path, monkeypatch):

@@ -194,11 +194,15 @@ def test_policy_learns_device_time_with_one_synchronisation_per_step(tiny_llama,
     engine.runner.device = target_device
     draft = next(p for p in engine.speculator.chain if p.name == "draft_model")
     draft.runner.device = draft_device
-    planner = engine.speculator.planner
     steps: list[float] = []
     drafts = []
-    planner.observe_step = lambda n, ctx, seconds: steps.append(seconds)
-    planner.observe_draft_time = drafts.append
+
+    def observe(stats):  # what the policy learns from
+        steps.append(stats.forward_seconds)
+        if stats.draft_timing is not None:
+            drafts.append(stats.draft_timing)
+
+    engine.speculator.policy.observe = observe
 
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

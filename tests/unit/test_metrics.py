@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.metrics import EngineMetrics, Histogram
-from engine.outputs import RequestOutput
+from engine.outputs import OutputAccumulator, RequestOutput
 from engine.request import Request
 from server.metrics import (
     EngineCollector,
@@ -72,13 +72,18 @@ def test_inter_token_latency_is_amortised_over_a_multi_token_step() -> None:
 # ----------------------------------------------------------------------------- a real engine
 
 
-def _drain(engine: LLMEngine, finals: dict[str, RequestOutput], limit: int = 500) -> None:
+def _drain(
+    engine: LLMEngine,
+    finals: dict[str, RequestOutput],
+    whole: OutputAccumulator | None = None,  # the one that took the requests' earlier outputs
+    limit: int = 500,
+) -> None:
+    whole = OutputAccumulator() if whole is None else whole
     for _ in range(limit):
         if not engine.has_unfinished_requests():
             return
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
+        for output in whole.add_step(engine.step()):
+            finals[output.request_id] = output
     raise AssertionError("the workload did not finish")
 
 
@@ -109,16 +114,16 @@ def test_counts_after_a_known_workload(tiny_llama) -> None:
     assert engine.abort("q")  # aborted before it was ever scheduled: no prompt tokens counted
 
     finals: dict[str, RequestOutput] = {}
+    whole = OutputAccumulator()
     (c,) = engine._groups["c"].requests
     for _ in range(200):
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
+        for output in whole.add_step(engine.step()):
+            finals[output.request_id] = output
         if c.num_output_tokens >= 3:
             break
     num_c_tokens = c.num_output_tokens
     assert engine.abort("c")  # in the middle of decoding
-    _drain(engine, finals)
+    _drain(engine, finals, whole)
 
     m = engine.metrics
     assert m.num_prompt_tokens == 5 + 7 + 9 + 4  # b's two sequences share one prompt

@@ -7,42 +7,87 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
 
-from engine.spec.policy import (
-    AcceptanceTracker,
-    Hysteresis,
-    StepTimeModel,
-    allocate_draft_lengths,
-    expected_tokens,
-    goodput,
-)
-
-KNEE = 8
-
-
-@dataclass(frozen=True)
-class FlatThenLinear:
-    """A forward over 1..KNEE tokens costs one base step; past it, cost grows with n."""
-
-    base: float = 1.0
-
-    def predict(self, n: int, context: int = 0) -> float:
-        return self.base * max(1.0, n / KNEE)
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
+from engine.speculation.goodput import StepShape, best_draft_lengths, goodput
+from engine.speculation.policy import Candidate, SpeculationPolicy
+from engine.speculation.step_time import StepTimeModel
+from tests.policy_fakes import KNEE, Driver, FixedAlphas, FixedMonitor, FlatThenLinear
 
 
 @dataclass(frozen=True)
 class MeasuredCpu:
     """The issue's CPU curve: flat to 8 tokens, 16 tokens +30%, 64 tokens 2x (interpolated)."""
 
-    def predict(self, n: int, context: int = 0) -> float:
+    def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
         points = [(1, 1.0), (8, 1.0), (16, 1.3), (64, 2.0)]
         for (n0, t0), (n1, t1) in itertools.pairwise(points):
             if n <= n1:
                 return t0 + (t1 - t0) * max(n - n0, 0) / (n1 - n0)
         return 2.0 + (0.7 / 48) * (n - 64)
+
+
+@dataclass(frozen=True)
+class Decided:
+    num_draft_tokens: tuple[int, ...]
+    reasons: tuple[str, ...]
+    goodput: float
+
+
+def _per_token(cost: float | Callable[[int], float]) -> Callable[[int], float]:
+    return cost if callable(cost) else (lambda num_draft_tokens: cost * num_draft_tokens)
+
+
+def _shape(base: int, budget: int | None = None) -> StepShape:
+    return StepShape(base, base, 0, 10**9 if budget is None else budget, base)
+
+
+def _allocate(alphas, caps, base, model, cost=0.0, budget=None) -> tuple[list[int], float]:
+    """The allocator alone: drafts cost `cost` seconds per token (or cost(total))."""
+    ks = best_draft_lengths(alphas, caps, _shape(base, budget), model, _per_token(cost))
+    return ks, goodput(alphas, ks, _shape(base, budget), model, _per_token(cost))
+
+
+def _decide(
+    alphas: Sequence[float],
+    caps: Sequence[int],
+    row_cost: float = 0.0,
+    cap_reasons: Sequence[str | None] | None = None,
+    budget: int | None = None,
+    driver: Driver | None = None,
+) -> Decided:
+    """The policy's decision for one step of len(alphas) decoding requests whose acceptance is
+    known, each draft token costing row_cost beyond the flat-then-linear curve; a cap of 0 comes
+    from its reason (an opt-out, or an operator limit)."""
+    reasons = list(cap_reasons or [None] * len(alphas))
+    limit = "batch_size" in reasons
+    busy = "utilization" in reasons
+    if driver is None:
+        policy = SpeculationPolicy(
+            "auto",
+            64,
+            FlatThenLinear(row_cost=row_cost),
+            monitor=FixedMonitor(1.0) if busy else None,
+            disable_batch_size=1 if limit else None,
+            disable_utilization=0.5 if busy else None,
+        )
+        policy.tracker = FixedAlphas()  # type: ignore[assignment]
+        driver = Driver(policy)
+    driver.policy.tracker.alphas.update({f"r{i}": a for i, a in enumerate(alphas)})
+    candidates = []
+    for i, (cap, reason) in enumerate(zip(caps, reasons, strict=True)):
+        params = SamplingParams(max_tokens=64, speculate=reason != "request_opt_out")
+        candidates.append(Candidate(Request(f"r{i}", [1, 2, 3], params, 64), cap or 1, "ngram"))
+    step = _shape(len(alphas), budget)
+    ks = driver.plan(candidates, step)
+    value = goodput(alphas, ks, step, driver.policy.step_model)
+    return Decided(tuple(ks), tuple(driver.last_reasons), value)
 
 
 def test_expected_tokens_is_the_geometric_sum() -> None:
@@ -56,28 +101,28 @@ def test_expected_tokens_is_the_geometric_sum() -> None:
         expected_tokens(1.2, 3)
 
 
-def _decide(batch: int, alpha: float = 0.8, cap: int = 7, cost: float = 0.01):
-    return allocate_draft_lengths([alpha] * batch, [cap] * batch, batch, 0, FlatThenLinear(), cost)
+def _batch(batch: int, alpha: float = 0.8, cap: int = 7, cost: float = 0.01) -> Decided:
+    return _decide([alpha] * batch, [cap] * batch, cost)
 
 
 def test_batch_one_speculates_to_the_knee() -> None:
-    decision = _decide(1)
+    decision = _batch(1)
     # 1 + 7 drafts fill the flat region exactly; an 8th draft costs 1/8 of a step for 0.8^8.
     assert decision.num_draft_tokens == (7,)
-    assert decision.reasons == ("speculating",)
+    assert decision.reasons == ("goodput",)
     assert decision.goodput == pytest.approx(expected_tokens(0.8, 7) / (1.0 + 0.07))
 
 
 def test_speculation_falls_off_past_the_knee_and_comes_back() -> None:
     totals = {}
     for batch in [1, 2, 4, 8, 16, 32, 16, 4, 1]:
-        decision = _decide(batch)
+        decision = _batch(batch)
         totals[batch] = sum(decision.num_draft_tokens)
         if batch >= KNEE:
             assert decision.num_draft_tokens == (0,) * batch
             assert set(decision.reasons) == {"compute_bound"}
         else:
-            assert set(decision.reasons) == {"speculating"}
+            assert set(decision.reasons) == {"goodput"}
             # Drafts fill the free slots up to the knee and no further.
             assert batch + totals[batch] == KNEE
             assert max(decision.num_draft_tokens) - min(decision.num_draft_tokens) <= 1
@@ -86,31 +131,26 @@ def test_speculation_falls_off_past_the_knee_and_comes_back() -> None:
 
 def test_low_acceptance_is_told_apart_from_compute_bound() -> None:
     # Drafting costs 0.1 step per token; alpha 0.05 never pays, even alone on an idle engine.
-    low = allocate_draft_lengths([0.05], [5], 1, 0, FlatThenLinear(), 0.1)
+    low = _decide([0.05], [5], 0.1)
     assert low.num_draft_tokens == (0,) and low.reasons == ("low_acceptance",)
-    mixed = allocate_draft_lengths([0.05, 0.9] * 8, [5] * 16, 16, 0, FlatThenLinear(), 0.1)
+    mixed = _decide([0.05, 0.9] * 8, [5] * 16, 0.1)
     assert mixed.num_draft_tokens == (0,) * 16
     assert mixed.reasons == ("low_acceptance", "compute_bound") * 8
 
 
 def test_caps_opt_outs_and_operator_limits_are_honoured() -> None:
-    decision = allocate_draft_lengths(
-        [0.9, 0.9, 0.9], [2, 0, 3], 3, 0, FlatThenLinear(), 0.0, [None, "request_opt_out", None]
-    )
+    decision = _decide([0.9, 0.9, 0.9], [2, 0, 3], 0.0, [None, "request_opt_out", None])
     assert decision.num_draft_tokens == (2, 0, 3)
-    assert decision.reasons == ("speculating", "request_opt_out", "speculating")
+    assert decision.reasons == ("goodput", "request_opt_out", "goodput")
     for reason in ["batch_size", "utilization"]:
-        off = allocate_draft_lengths([0.9] * 2, [0, 0], 2, 0, FlatThenLinear(), 0.0, [reason] * 2)
+        off = _decide([0.9] * 2, [0, 0], 0.0, [reason] * 2)
         assert off.num_draft_tokens == (0, 0) and off.reasons == (reason, reason)
-    budget = allocate_draft_lengths([0.9] * 2, [7, 7], 2, 0, FlatThenLinear(), 0.0, None, 3)
+    budget = _decide([0.9] * 2, [7, 7], 0.0, None, budget=3)
     assert sum(budget.num_draft_tokens) == 3
-    with pytest.raises(ValueError, match="without a reason"):
-        allocate_draft_lengths([0.9], [0], 1, 0, FlatThenLinear())
 
 
 def test_higher_acceptance_gets_more_drafts() -> None:
-    decision = allocate_draft_lengths([0.95, 0.5], [7, 7], 2, 0, FlatThenLinear(), 0.0)
-    k_high, k_low = decision.num_draft_tokens
+    (k_high, k_low), _ = _allocate([0.95, 0.5], [7, 7], 2, FlatThenLinear())
     assert k_high + k_low == KNEE - 2 and k_high > k_low
 
 
@@ -122,25 +162,24 @@ def test_greedy_matches_brute_force(seed: int) -> None:
     base = rng.randint(1, 14)
     model = rng.choice([FlatThenLinear(), MeasuredCpu()])
     cost = rng.choice([0.0, 0.01, 0.05])
-    reasons = ["request_opt_out" if c == 0 else None for c in caps]
-    decision = allocate_draft_lengths(alphas, caps, base, 0, model, cost, reasons)
+    _, value = _allocate(alphas, caps, base, model, cost)
     best = max(
-        goodput(alphas, ks, base, 0, model, cost)
+        goodput(alphas, ks, _shape(base), model, _per_token(cost))
         for ks in itertools.product(*(range(c + 1) for c in caps))
     )
-    assert decision.goodput == pytest.approx(best, rel=1e-12)
+    assert value == pytest.approx(best, rel=1e-12)
 
 
 def test_allocation_walks_past_a_step_in_the_curve() -> None:
     # Padded shapes make step time a staircase: 9..32 tokens cost one price. Stopping at the
     # first draft that lowers goodput (the 8th) would miss the plateau after it.
     class Staircase:
-        def predict(self, n: int, context: int = 0) -> float:
+        def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
             return 1.0 if n <= 8 else 1.15 if n <= 32 else 1.15 * n / 32
 
-    decision = allocate_draft_lengths([0.95], [31], 1, 0, Staircase(), 0.0)
-    assert decision.num_draft_tokens == (31,)
-    assert decision.goodput == pytest.approx(expected_tokens(0.95, 31) / 1.15)
+    ks, value = _allocate([0.95], [31], 1, Staircase())
+    assert ks == [31]
+    assert value == pytest.approx(expected_tokens(0.95, 31) / 1.15)
 
 
 def test_callable_draft_cost_sees_the_total() -> None:
@@ -150,9 +189,9 @@ def test_callable_draft_cost_sees_the_total() -> None:
         seen.append(num_draft_tokens)
         return 0.5 if num_draft_tokens else 0.0  # a fixed launch cost once anything is drafted
 
-    decision = allocate_draft_lengths([0.3], [7], 1, 0, FlatThenLinear(), cost)
+    ks, _ = _allocate([0.3], [7], 1, FlatThenLinear(), cost)
     # 1.43 tokens for 1.5 steps loses to 1 token for 1 step.
-    assert decision.num_draft_tokens == (0,) and max(seen) >= 1
+    assert ks == [0] and max(seen) >= 1
 
 
 def _switches(decisions: list[int]) -> int:
@@ -162,27 +201,18 @@ def _switches(decisions: list[int]) -> int:
 def test_hysteresis_stops_flapping_at_break_even() -> None:
     # With 0.3 step per draft token, one draft pays iff alpha > 0.3: the break-even point.
     wobble = [0.31, 0.29] * 10
-    plain = [
-        allocate_draft_lengths([a], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0]
-        for a in wobble
-    ]
+    plain = [_decide([a], [4], 0.3).num_draft_tokens[0] for a in wobble]
     assert _switches(plain) == len(wobble) - 1
-    hysteresis = Hysteresis(margin=0.03)
-    held = [
-        hysteresis.allocate(["r"], [a], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0]
-        for a in wobble
-    ]
-    assert _switches(held) == 0 and held[0] == 1
+    first = _decide([wobble[0]], [4], 0.3)
+    policy = SpeculationPolicy("auto", 64, FlatThenLinear(row_cost=0.3))
+    policy.tracker = FixedAlphas()  # type: ignore[assignment]
+    driver = Driver(policy)
+    held = [_decide([a], [4], 0.3, driver=driver).num_draft_tokens[0] for a in wobble]
+    assert _switches(held) == 0 and held[0] == first.num_draft_tokens[0] == 1
     # A clear gain still switches, both ways, and an opt-out acts at once.
-    assert hysteresis.allocate(["r"], [0.05], [4], 1, 0, FlatThenLinear(), 0.3).reasons == (
-        "low_acceptance",
-    )
-    assert (
-        hysteresis.allocate(["r"], [0.7], [4], 1, 0, FlatThenLinear(), 0.3).num_draft_tokens[0] > 0
-    )
-    opt_out = hysteresis.allocate(
-        ["r"], [0.7], [0], 1, 0, FlatThenLinear(), 0.3, ["request_opt_out"]
-    )
+    assert _decide([0.05], [4], 0.3, driver=driver).reasons == ("low_acceptance",)
+    assert _decide([0.7], [4], 0.3, driver=driver).num_draft_tokens[0] > 0
+    opt_out = _decide([0.7], [0], 0.3, ["request_opt_out"], driver=driver)
     assert opt_out.num_draft_tokens == (0,) and opt_out.reasons == ("request_opt_out",)
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import NgramProposer
-from engine.spec.prediction import PredictionProposer
-from engine.spec.proposer import PROPOSERS, Draft, make_proposer
+from engine.speculation.config import SpeculativeConfig
+from engine.speculation.ngram import NgramProposer
+from engine.speculation.prediction import PredictionProposer
+from engine.speculation.proposer import PROPOSERS, Draft, make_proposer
 
 
 def _request(prompt: list[int], output: list[int] = (), request_id: str = "r") -> Request:

@@ -13,8 +13,8 @@ from scipy.stats import chisquare
 
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.spec.rejection import VerifyResult, rejection_sample, verify_by_sampling
-from engine.spec.rejection_reference import (
+from engine.speculation.rejection import VerifyResult, rejection_sample, verify_by_sampling
+from engine.speculation.rejection_reference import (
     rejection_sample_reference,
     verify_by_sampling_reference,
 )

@@ -1,7 +1,7 @@
-"""Plain one-request-at-a-time reference for `engine.spec.rejection`, the oracle its tests trust.
+"""Plain one-request-at-a-time reference for `engine.speculation.rejection`, the oracle its tests trust.
 
 Written for clarity, not speed: plain loops over one request's drafts, with the random draws of
-the randomness contract in `engine/spec/rejection.py` (same generators, same order), so the
+the randomness contract in `engine/speculation/rejection.py` (same generators, same order), so the
 vectorised version must match it token for token. Only tests use it.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.spec.rejection import exponential_noise, exponential_race
+from engine.speculation.rejection import exponential_noise, exponential_race
 
 
 def rejection_sample_reference(

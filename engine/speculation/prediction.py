@@ -24,7 +24,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from engine.request import Request
-from engine.spec.proposer import Draft, LookupProposer
+from engine.speculation.proposer import Draft, LookupProposer
 
 # A very common min_match_len-gram in a long prediction can have hundreds of occurrences; the
 # candidates nearest the pointer are the likely ones, so the scan stops after this many.

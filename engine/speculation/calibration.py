@@ -1,7 +1,9 @@
-"""Start-up calibration of the step-time model t(n, context), cached per model, device and dtype.
+"""Start-up calibration of the step-time model t(n, context, rows), cached per model and device.
 
 A forward over n query tokens is timed at a grid of n (1 up to the token budget) with a short
-context, and at a few n with a long one for the context slope. The KV the forwards attend to is
+context, and at a few n with a long one for the context slope. Then batches shaped like verify
+steps (several sequences of a few tokens, a logits row for every token) give the cost of a logits
+row beyond the first, which a one-row prompt chunk never pays. The KV the forwards attend to is
 whatever the borrowed blocks hold: timing does not depend on its values. One warm-up forward runs
 first; each point is the minimum of `repeats` timings (the least disturbed by other work).
 
@@ -30,13 +32,15 @@ import torch
 from engine.block_manager import BlockManager
 from engine.models.bundled import cache_root
 from engine.runner import ModelRunner, SeqChunk
-from engine.spec.policy import StepTimeModel, pool_adjacent_violators
+from engine.speculation.step_time import StepTimeModel, pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
 
 _CALIBRATION_ID = "__calibration__"
 _BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 _LONG_CONTEXT_NS = (1, 8)
+# Verify-shaped batches (sequences, tokens each) that price a logits row.
+_VERIFY_SHAPES = ((1, 8), (4, 4), (8, 4))
 
 
 def calibration_grid(max_num_batched_tokens: int) -> list[int]:
@@ -66,6 +70,27 @@ def time_forward(
         block_manager.free(_CALIBRATION_ID)
 
 
+def time_verify_batch(
+    runner: ModelRunner, block_manager: BlockManager, num_seqs: int, num_tokens: int
+) -> float:
+    """Seconds of one forward over num_seqs sequences of num_tokens each, every token with its
+    logits row (a verify step's shape). Borrows blocks and returns them."""
+    ids = [f"{_CALIBRATION_ID}{i}" for i in range(num_seqs)]
+    try:
+        chunks = []
+        for seq_id in ids:
+            if not block_manager.allocate_slots(seq_id, num_tokens):
+                raise RuntimeError("calibration needs more KV slots; the pool is too small")
+            table = block_manager.get_block_table(seq_id)
+            chunks.append(SeqChunk([0] * num_tokens, 0, table, num_tokens))
+        start = runner.device.now()
+        runner.forward(chunks)
+        return runner.device.now() - start
+    finally:
+        for seq_id in ids:
+            block_manager.free(seq_id)
+
+
 def calibrate(
     runner: ModelRunner,
     block_manager: BlockManager,
@@ -73,8 +98,11 @@ def calibrate(
     max_model_len: int,
     repeats: int = 2,
     timer: Callable[[int, int], float] | None = None,
+    batch_timer: Callable[[int, int], float] | None = None,
 ) -> StepTimeModel:
-    """Time the grid and fit t(n, context). `timer(n, context)` replaces real forwards (tests)."""
+    """Time the grid and fit t(n, context, rows). `timer(n, context)` and
+    `batch_timer(num_seqs, num_tokens)` replace real forwards (tests); with a timer and no
+    batch_timer the row cost is left at 0."""
     grid = calibration_grid(min(max_num_batched_tokens, max_model_len))
     long_context = min(
         max_model_len // 2, 2048, block_manager.num_blocks * block_manager.block_size // 2
@@ -85,6 +113,10 @@ def calibrate(
             return time_forward(runner, block_manager, n, context, 1)
 
         timer(1, 0)  # warm-up: first-call allocations and kernel selection
+
+        def batch_timer(num_seqs: int, num_tokens: int) -> float:
+            return time_verify_batch(runner, block_manager, num_seqs, num_tokens)
+
     # Two passes over the grid, keeping each point's minimum: a burst of other work on the
     # machine then spoils one timing of a point, not a whole region of the curve.
     short = {n: timer(n, 0) for n in grid}
@@ -102,7 +134,25 @@ def calibrate(
         ]
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
     values = [short[n] - context_coef * n for n in grid]
-    return StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
+    model = StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
+    if batch_timer is not None:
+        model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1])
+    return model
+
+
+def _row_cost(
+    model: StepTimeModel, batch_timer: Callable[[int, int], float], repeats: int, max_n: int
+) -> float:
+    """The median over verify-shaped batches of what they took beyond the one-row model, per
+    extra row."""
+    costs = []
+    for num_seqs, num_tokens in _VERIFY_SHAPES:
+        n = num_seqs * num_tokens
+        if n > max_n:
+            continue
+        seconds = min(batch_timer(num_seqs, num_tokens) for _ in range(repeats))
+        costs.append((seconds - model.predict(n, n)) / (n - 1))
+    return max(0.0, sorted(costs)[len(costs) // 2]) if costs else 0.0
 
 
 def load_or_calibrate(

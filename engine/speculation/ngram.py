@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.spec.proposer import Draft, LookupProposer
+from engine.speculation.proposer import Draft, LookupProposer
 
 NgramIndex = dict[tuple[int, ...], int]
 

@@ -1,3 +1,3 @@
 """Speculative decoding: proposers (drafts), verification (rejection sampling), configuration."""
 
-from engine.spec import builtin  # noqa: F401  (registers the built-in proposers)
+from engine.speculation import builtin  # noqa: F401  (registers the built-in proposers)

@@ -29,7 +29,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
-from engine.spec.proposer import Draft
+from engine.speculation.proposer import Draft
 from engine.verifier import DRAFT_STREAM, sampling_row
 
 

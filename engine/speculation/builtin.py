@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.spec.config import SpeculativeConfig
-from engine.spec.proposer import Proposer, register_proposer
+from engine.speculation.config import SpeculativeConfig
+from engine.speculation.proposer import Proposer, register_proposer
 
 
 @register_proposer("ngram")
 def _ngram(spec: SpeculativeConfig, context: Any) -> Proposer:
-    from engine.spec.ngram import NgramProposer
+    from engine.speculation.ngram import NgramProposer
 
     return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
 
 
 @register_proposer("prediction")
 def _prediction(spec: SpeculativeConfig | None, context: Any) -> Proposer:
-    from engine.spec.prediction import PredictionProposer
+    from engine.speculation.prediction import PredictionProposer
 
     return PredictionProposer()
 
@@ -27,7 +27,7 @@ def _draft_model(spec: SpeculativeConfig, context: Any) -> Proposer:
     """The draft model's runner is built by the engine (its weights load before the KV budget is
     measured, and its KV shares the target's budget and block ids); this wires it up."""
     from engine.sampler import Sampler
-    from engine.spec.draft_model import DraftModelProposer
+    from engine.speculation.draft_model import DraftModelProposer
 
     engine = context.engine
     runner = engine.draft_runner

@@ -35,7 +35,7 @@ class SpeculativeConfig:
     spec_disable_utilization: float | None = None
 
     def __post_init__(self) -> None:
-        from engine.spec.proposer import PROPOSERS
+        from engine.speculation.proposer import PROPOSERS
 
         for name in self.methods:
             if name not in PROPOSERS:

@@ -1,0 +1,96 @@
+"""Per-request acceptance estimates: how likely a request's next draft token is to be accepted.
+
+alpha is the probability that a drafted token is accepted given every earlier one was; a verify of
+k drafts then emits E(alpha, k) tokens (the accepted ones plus the recovered or bonus token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+# Acceptance per draft source before a request has any history: lookups of a prompt's n-grams hit
+# about half the time on code and chat, a draft model of the same family more often, and a
+# client's prediction (an edit of its own text) most of the time.
+DEFAULT_PRIORS: Mapping[str, float] = {"ngram": 0.5, "draft_model": 0.6, "prediction": 0.8}
+# Each verify multiplies a request's past evidence by this (an EWMA over about 10 verifies), so a
+# request whose text turns predictable, or stops being so, is followed.
+ACCEPTANCE_DECAY = 0.9
+# Pseudo-trials at the prior: two verifies' worth, so the first real ones move alpha quickly.
+PRIOR_WEIGHT = 2.0
+# Decisions take alpha plus this many standard errors (optimism under uncertainty).
+OPTIMISM = 1.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verify of k drafts emits: Σ_{j=0..k} alpha^j = (1 - alpha^(k+1)) / (1 - alpha)."""
+    if not 0.0 <= alpha <= 1.0 or k < 0:
+        raise ValueError(f"need 0 <= alpha <= 1 and k >= 0, got alpha={alpha}, k={k}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class AcceptanceTracker:
+    """Per-request acceptance estimate alpha: a decayed maximum-likelihood estimate with a prior.
+
+    A verify of k drafts that accepts a of them is a truncated geometric draw: positions 1..a
+    passed, position a+1 failed if a < k, and positions past the first failure were never tested.
+    Its likelihood is alpha^a (1 - alpha)^[a < k], so the MLE over many verifies is
+    Σ accepted / (Σ accepted + Σ [a < k]). Plain accepted / drafted would count the untested
+    positions as failures and read far low (alpha = 0.6 with k = 5 gives 0.28). Both sums decay by
+    `decay` per verify (an EWMA, so a request whose text turns predictable is followed), and
+    `prior_weight` pseudo-trials at the method's prior keep alpha inside (0, 1) and give a request
+    with no history a sensible start.
+
+    Decisions take `upper_bound`: alpha plus `optimism` standard errors. An estimate moves only
+    when its request drafts, so judged by alpha alone a request whose prior says "does not pay"
+    would never draft and never learn otherwise (a draft model whose code-edit drafts are mostly
+    accepted stayed off for whole answers at a prior of 0.6). The bound is wide while a request has few
+    trials, so it is tried on its first steps, and narrows as its verifies come in.
+    """
+
+    def __init__(
+        self,
+        priors: Mapping[str, float] = DEFAULT_PRIORS,
+        decay: float = ACCEPTANCE_DECAY,
+        prior_weight: float = PRIOR_WEIGHT,
+        optimism: float = OPTIMISM,
+    ) -> None:
+        if not 0.0 < decay <= 1.0 or prior_weight <= 0.0 or optimism < 0.0:
+            raise ValueError("need 0 < decay <= 1, prior_weight > 0 and optimism >= 0")
+        self.priors = dict(priors)
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.optimism = optimism
+        self._state: dict[str, tuple[str, float, float]] = {}  # id -> (method, accepted, trials)
+
+    def observe(
+        self, request_id: str, method: str, num_draft_tokens: int, num_accepted: int
+    ) -> None:
+        if not 0 <= num_accepted <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} drafts")
+        if num_draft_tokens == 0:
+            return
+        _, accepted, trials = self._state.get(request_id, (method, 0.0, 0.0))
+        is_rejected = num_accepted < num_draft_tokens
+        accepted = self.decay * accepted + num_accepted
+        trials = self.decay * trials + num_accepted + is_rejected
+        self._state[request_id] = (method, accepted, trials)
+
+    def alpha(self, request_id: str, method: str) -> float:
+        """The estimate for a request; its method's prior when it has no history yet."""
+        prior = self.priors[method]
+        _, accepted, trials = self._state.get(request_id, (method, 0.0, 0.0))
+        return (accepted + self.prior_weight * prior) / (trials + self.prior_weight)
+
+    def upper_bound(self, request_id: str, method: str) -> float:
+        """alpha plus `optimism` standard errors of it, its trials counting the prior's: what
+        the policy decides by (see the class docstring)."""
+        _, _, trials = self._state.get(request_id, (method, 0.0, 0.0))
+        alpha = self.alpha(request_id, method)
+        error = math.sqrt(alpha * (1.0 - alpha) / (trials + self.prior_weight))
+        return min(1.0, alpha + self.optimism * error)
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)

@@ -1,0 +1,290 @@
+"""The speculation policy: each step, a draft length k and one reason per decoding request.
+
+One model decides. The step-time model (step_time.py) prices a step, each request's acceptance
+estimate (acceptance.py) says what its drafts would earn, and the allocation maximises the step's
+goodput (goodput.py), the draft model's forwards and the overhead of speculating included. Before
+it, operator limits and opt-outs cap k; after it, a switch (a request on or off, the draft model
+deeper or shallower) must beat keeping the last decision by SWITCH_MARGIN. The modes: "auto" is
+all of the above, "always" grants every cap while the budget lasts, "off" grants nothing.
+
+Every decision carries one reason from the vocabulary in engine/speculation/stats.py, decided
+here. The scheduler may still cut a grant the KV pool cannot hold, so the policy learns from, and
+the metrics count, the final decisions of the step's StepStats (`observe`), which also bring the
+measured step time (the step-time model), verify results and shadow drafts (the acceptance
+estimates), draft-model timings (its costs) and the step's overhead outside the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.device_monitor import DeviceMonitor
+from engine.request import Request
+from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
+from engine.speculation.goodput import DraftCost, StepShape, best_draft_lengths, goodput
+from engine.speculation.stats import Decision, StepStats
+from engine.speculation.step_time import StepTimeModel
+
+# A switch is taken only when the step's predicted goodput with it beats keeping the last decision
+# by this share: around break-even the estimates wobble step to step, and a switch has costs the
+# model does not see (a draft model catching up, a cold n-gram index).
+SWITCH_MARGIN = 0.03
+# Weight of the newest measurement in the draft-cost and overhead estimates (EWMA).
+COST_RATE = 0.2
+# A first draft forward catching up on at least this many tokens measures the catch-up cost.
+MIN_CATCH_UP_SAMPLE = 16
+# A draft model's catch-up is paid once and spread over the tokens it buys, counted over at most
+# this many: outputs often end (eos) well before max_tokens.
+CATCH_UP_HORIZON = 32
+# Sources that draft with a model: each draft depth costs one batched forward of it.
+MODEL_SOURCES = frozenset({"draft_model"})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding request the policy decides for: the most drafts the step has room for (and its
+    source can fill), the source that would draft, and the tokens a draft model would first have
+    to catch up on."""
+
+    request: Request
+    room: int
+    source: str
+    num_catch_up: int = 0
+
+    @property
+    def key(self) -> str:  # one acceptance estimate per request and source
+        return acceptance_key(self.request.request_id, self.source)
+
+
+def acceptance_key(request_id: str, source: str) -> str:
+    return f"{request_id}/{source}"
+
+
+class SpeculationPolicy:
+    """Decides k per decoding request per step; learns from each step's StepStats."""
+
+    def __init__(
+        self,
+        mode: str,
+        max_draft_tokens: int,
+        step_model: StepTimeModel,
+        monitor: DeviceMonitor | None = None,
+        disable_batch_size: int | None = None,
+        disable_utilization: float | None = None,
+        draft_forward_seconds: float = 0.0,
+        catch_up_seconds_per_token: float = 0.0,
+    ) -> None:
+        self.mode = mode
+        self.max_draft_tokens = max_draft_tokens
+        self.step_model = step_model
+        self.monitor = monitor
+        self.disable_batch_size = disable_batch_size
+        self.disable_utilization = disable_utilization
+        # Learned online from draft-model timings; starting points timed at start-up.
+        self.draft_forward_seconds = draft_forward_seconds
+        self.catch_up_seconds_per_token = catch_up_seconds_per_token
+        self.tracker = AcceptanceTracker()
+        # Seconds of a step outside its forward and drafting, with and without drafts.
+        self._overhead = {True: 0.0, False: 0.0}
+        self._last_k: dict[str, int] = {}  # acceptance key -> k of its last final decision
+        self._depth = 0  # the draft model's depth (forwards per step) in the last step
+
+    # ---------------------------------------------------------------------------- deciding
+
+    def decide(self, candidates: Sequence[Candidate], shape: StepShape) -> list[Decision]:
+        """One decision per candidate: k within its room, Σ k within the shape's budget."""
+        utilization = None
+        if self.disable_utilization is not None and self.monitor is not None:
+            utilization = self.monitor.utilization(shape.base_tokens)
+        caps: list[int] = []
+        reasons: list[str | None] = []
+        for c in candidates:
+            cap, reason = self._cap(c, shape.num_running, utilization)
+            caps.append(cap)
+            reasons.append(reason)
+        if self.mode == "auto":
+            ks, reasons = self._auto(candidates, caps, reasons, shape)
+        else:
+            ks, budget = [], shape.budget
+            for cap in caps:
+                ks.append(0 if self.mode == "off" else max(0, min(cap, budget)))
+                budget -= ks[-1]
+            if self.mode == "off":
+                reasons = ["mode_off"] * len(caps)
+            else:
+                reasons = [
+                    r or ("fixed" if k else "budget") for k, r in zip(ks, reasons, strict=True)
+                ]
+        return [
+            Decision(c.request.request_id, c.source, k, r)
+            for c, k, r in zip(candidates, ks, reasons, strict=True)
+        ]
+
+    def _cap(
+        self, candidate: Candidate, num_running: int, utilization: float | None
+    ) -> tuple[int, str | None]:
+        params = candidate.request.params
+        if not params.speculate or params.max_draft_tokens == 0:
+            return 0, "request_opt_out"
+        if self.disable_batch_size is not None and num_running >= self.disable_batch_size:
+            return 0, "batch_size"
+        limit = self.disable_utilization
+        if limit is not None and utilization is not None and utilization >= limit:
+            return 0, "utilization"
+        cap = min(candidate.room, self.max_draft_tokens, params.max_draft_tokens or candidate.room)
+        return cap, None
+
+    def _auto(
+        self,
+        candidates: Sequence[Candidate],
+        caps: list[int],
+        reasons: list[str | None],
+        shape: StepShape,
+    ) -> tuple[list[int], list[str]]:
+        """The goodput allocation. A draft model costs one batched forward per depth, whoever
+        drafts that deep, so each depth D (0: the model idle) is priced with model-drafted caps
+        cut to D; lookup drafts cost only the overhead of speculating."""
+        alphas = [self.tracker.upper_bound(c.key, c.source) for c in candidates]
+        uses_model = [c.source in MODEL_SOURCES for c in candidates]
+        deepest = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
+
+        def allocation(depth: int) -> tuple[list[int], list[int], float]:
+            depth_caps = [
+                min(cap, depth) if m else cap for cap, m in zip(caps, uses_model, strict=True)
+            ]
+            cost = self._draft_cost(candidates, alphas, depth_caps, depth)
+            ks = best_draft_lengths(alphas, depth_caps, shape, self.step_model, cost)
+            return ks, depth_caps, goodput(alphas, ks, shape, self.step_model, cost)
+
+        options = [allocation(depth) for depth in range(deepest + 1)]
+        depth = max(range(deepest + 1), key=lambda d: options[d][2])
+        last = min(self._depth, deepest)
+        if options[last][2] * (1.0 + SWITCH_MARGIN) >= options[depth][2]:
+            depth = last
+        ks, depth_caps, _ = options[depth]
+        cost = self._draft_cost(candidates, alphas, depth_caps, depth)
+        ks = self._hold(candidates, alphas, depth_caps, ks, shape, cost)
+        final = []
+        for i in range(len(candidates)):
+            if ks[i]:
+                final.append("goodput")
+            elif reasons[i] is not None:
+                final.append(reasons[i])
+            elif sum(ks) >= shape.budget:
+                final.append("budget")
+            else:
+                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape.context))
+        return ks, final
+
+    def _hold(
+        self,
+        candidates: Sequence[Candidate],
+        alphas: list[float],
+        caps: list[int],
+        ks: list[int],
+        shape: StepShape,
+        cost: DraftCost,
+    ) -> list[int]:
+        """Keep each request's last on/off state (staying on: its last k, within its cap) unless
+        switching gains more than SWITCH_MARGIN of the request's share of the step's goodput.
+        Caps of 0 act at once."""
+        allowance = SWITCH_MARGIN * goodput(alphas, ks, shape, self.step_model, cost) / len(ks)
+        ks = list(ks)
+        for i, c in enumerate(candidates):
+            last = self._last_k.get(c.key)
+            if last is None or caps[i] <= 0 or (last > 0) == (ks[i] > 0):
+                continue
+            held = min(last, caps[i])
+            if ks[i] == 0 and sum(ks) + held > shape.budget:
+                continue
+            other = [*ks[:i], held, *ks[i + 1 :]]
+            now = goodput(alphas, ks, shape, self.step_model, cost)
+            if now - goodput(alphas, other, shape, self.step_model, cost) <= allowance:
+                ks = other
+        return ks
+
+    def _draft_cost(
+        self, candidates: Sequence[Candidate], alphas: list[float], caps: list[int], depth: int
+    ) -> DraftCost:
+        """Seconds a step with drafts costs beyond its target forward: the overhead of
+        speculating, and for a draft model drafting `depth` deep its forwards plus each drafting
+        request's share of its catch-up."""
+        seconds = self.speculation_overhead
+        if depth > 0:
+            catch_up, best_alpha = 0.0, 0.0
+            for c, alpha, cap in zip(candidates, alphas, caps, strict=True):
+                if c.source in MODEL_SOURCES and cap > 0:
+                    best_alpha = max(best_alpha, alpha)
+                    left = c.request.max_tokens - c.request.num_output_tokens
+                    share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
+                    catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
+            # The draft model stops a request at its first unconfident token (where the verify
+            # tends to reject), so forward j runs about as often as some request is still
+            # accepted so far: E(alpha, depth - 1) forwards, not depth.
+            seconds += self.draft_forward_seconds * expected_tokens(best_alpha, depth - 1)
+            seconds += catch_up
+        return _constant(seconds)
+
+    def _why_not(self, alpha: float, cap: int, uses_model: bool, context: int) -> str:
+        """A request left at 0 is compute_bound when drafting would pay for it alone at this
+        context (the batch's load stopped it), else low_acceptance."""
+        alone = StepShape(1, 1, context, cap, 1)
+        plain = goodput([alpha], [0], alone, self.step_model)
+        for k in range(1, cap + 1):
+            seconds = self.speculation_overhead
+            if uses_model:
+                seconds += self.draft_forward_seconds * expected_tokens(alpha, k - 1)
+            cost = _constant(seconds)
+            if goodput([alpha], [k], alone, self.step_model, cost) > plain:
+                return "compute_bound"
+        return "low_acceptance"
+
+    @property
+    def speculation_overhead(self) -> float:
+        """Extra seconds a step with drafts spends outside the forward and the drafting."""
+        return max(0.0, self._overhead[True] - self._overhead[False])
+
+    # ---------------------------------------------------------------------------- learning
+
+    def observe(self, stats: StepStats) -> None:
+        """Learn from one finished step (its device time synchronised)."""
+        if stats.num_tokens:
+            self.step_model.observe(
+                stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows
+            )
+        has_drafts = any(v.num_draft_tokens and not v.is_shadow for v in stats.verifies)
+        self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
+        for v in stats.verifies:
+            key = acceptance_key(v.request_id, v.source)
+            self.tracker.observe(key, v.source, v.num_draft_tokens, v.num_accepted)
+        depth = 0
+        for d in stats.decisions:
+            self._last_k[acceptance_key(d.request_id, d.source)] = d.num_draft_tokens
+            if d.source in MODEL_SOURCES:
+                depth = max(depth, d.num_draft_tokens)
+        self._depth = depth
+        timing = stats.draft_timing
+        if timing is not None and timing.num_more:
+            per_forward = timing.more_seconds / timing.num_more
+            self.draft_forward_seconds = _ewma(self.draft_forward_seconds, per_forward)
+        if timing is not None and timing.num_catch_up >= MIN_CATCH_UP_SAMPLE:
+            extra = max(0.0, timing.first_seconds - self.draft_forward_seconds)
+            self.catch_up_seconds_per_token = _ewma(
+                self.catch_up_seconds_per_token, extra / timing.num_catch_up
+            )
+
+    def forget(self, request_id: str) -> None:
+        for source in self.tracker.priors:
+            key = acceptance_key(request_id, source)
+            self.tracker.forget(key)
+            self._last_k.pop(key, None)
+
+
+def _constant(seconds: float) -> DraftCost:
+    """A drafting cost paid once by a step with any drafts."""
+    return lambda num_draft_tokens: seconds if num_draft_tokens > 0 else 0.0
+
+
+def _ewma(value: float, sample: float) -> float:
+    return value + COST_RATE * (sample - value)

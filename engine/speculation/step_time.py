@@ -1,0 +1,183 @@
+"""The policy's cost model: how long one target step takes, learned from measured steps.
+
+t(n, context, rows) = v(n) + c * context + r * (rows - 1), where n is the step's query tokens,
+context the sum of its sequences' lengths and rows the logits rows it computes and verifies (one
+per sampling sequence plus one per draft token). v is calibrated on single-sequence forwards with
+one logits row (engine/speculation/calibration.py); r, the cost of a row beyond the first, is
+calibrated on multi-sequence batches shaped like verify steps (every row scored). A draft token
+costs v's slope plus r: without r, a batch of sixteen sequences verifying four drafts each was
+priced like a 80-token prompt chunk, 10-30% under what it took on a CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+# Weight of one measured step in the online refinement of v.
+STEP_TIME_RATE = 0.1
+# The knee: the first n past which one more token costs this share of a one-token step.
+KNEE_THRESHOLD = 0.02
+
+
+class StepTimePredictor(Protocol):
+    """Anything that predicts t(n, context); the allocator needs nothing more."""
+
+    def predict(self, n: int, context: int = 0, rows: int = 1) -> float: ...
+
+
+class StepTimeModel:
+    """t(n, context, rows) = v(n) + c * context + r * (rows - 1), v piecewise linear over a grid
+    of n and non-decreasing.
+
+    A grid with a free value per point follows a memory-bound plateau, the knee, and a concave
+    compute-bound tail without assuming a shape; the context term is linear because attention
+    reads every cached token once. Beyond the last grid point v extends along its last slope.
+    `observe` refines the grid values online (an EWMA toward each measurement, split between the
+    two neighbouring grid points by their interpolation weights); the context and row costs stay as
+    calibrated.
+    """
+
+    def __init__(
+        self,
+        grid: Sequence[int],
+        values: Sequence[float],
+        context_coef: float = 0.0,
+        row_coef: float = 0.0,
+        knee_threshold: float = KNEE_THRESHOLD,
+        rate: float = STEP_TIME_RATE,
+    ) -> None:
+        if not grid or len(grid) != len(values) or list(grid) != sorted(set(grid)) or grid[0] < 1:
+            raise ValueError(f"grid must be strictly increasing positive ints, got {grid}")
+        self.grid = [int(g) for g in grid]
+        self.values = _non_decreasing([max(float(v), 0.0) for v in values])
+        self.context_coef = max(float(context_coef), 0.0)
+        self.row_coef = max(float(row_coef), 0.0)
+        self.knee_threshold = knee_threshold
+        self.rate = rate
+
+    @classmethod
+    def fit(
+        cls, samples: Iterable[tuple[int, int, float]], grid: Sequence[int] | None = None, **kw: Any
+    ) -> StepTimeModel:
+        """Least squares over samples (n, context, seconds); the grid defaults to the distinct n."""
+        rows = [(int(n), int(ctx), float(s)) for n, ctx, s in samples]
+        if not rows:
+            raise ValueError("no samples to fit")
+        grid = sorted(set(grid if grid is not None else (n for n, _, _ in rows)))
+        has_context = len({ctx for _, ctx, _ in rows}) > 1
+        design = torch.tensor(
+            [_hat_weights(grid, n) + ([float(ctx)] if has_context else []) for n, ctx, _ in rows],
+            dtype=torch.float64,
+            device="cpu",
+        )  # [num_samples, len(grid) (+1)]
+        target = torch.tensor(
+            [[s] for _, _, s in rows], dtype=torch.float64, device="cpu"
+        )  # [num_samples, 1]
+        solution = torch.linalg.lstsq(design, target, driver="gelsd").solution[:, 0].tolist()
+        context_coef = solution[len(grid)] if has_context else 0.0
+        if context_coef < 0.0:
+            # A negative context slope is noise; refit the grid alone instead of clamping it.
+            return cls.fit([(n, 0, s) for n, _, s in rows], grid, **kw)
+        counts = [
+            sum(w[j] for w in (_hat_weights(grid, n) for n, _, _ in rows)) for j in range(len(grid))
+        ]
+        values = pool_adjacent_violators(solution[: len(grid)], counts)
+        return cls(grid, values, context_coef, **kw)
+
+    def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
+        if n <= self.grid[0]:
+            base = self.values[0]
+        elif n >= self.grid[-1]:
+            base = self.values[-1] + self._last_slope() * (n - self.grid[-1])
+        else:
+            base = sum(w * v for w, v in zip(_hat_weights(self.grid, n), self.values, strict=True))
+        return base + self.context_coef * max(context, 0) + self.row_coef * max(rows - 1, 0)
+
+    def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
+        """Move the grid values around n a step `rate` toward one measured step time."""
+        predicted = self.predict(n, context, rows)
+        # A step slowed by something else (another process, a page fault) says little about
+        # the device: one measurement moves the model by at most half its prediction.
+        error = max(-0.5 * predicted, min(seconds - predicted, 0.5 * predicted))
+        weights = _hat_weights(self.grid, n)
+        for j, w in enumerate(weights):
+            self.values[j] = max(self.values[j] + self.rate * w * error, 0.0)
+        self.values = _non_decreasing(self.values)
+
+    @property
+    def knee(self) -> int:
+        """The first n past which a token costs more than knee_threshold of the base step.
+
+        The last grid point when no segment is that steep: flat as far as it was measured.
+        """
+        limit = self.knee_threshold * self.values[0]
+        for j in range(len(self.grid) - 1):
+            if self._slope(j) > limit:
+                return self.grid[j]
+        return self.grid[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 2,
+            "grid": list(self.grid),
+            "values": list(self.values),
+            "context_coef": self.context_coef,
+            "row_coef": self.row_coef,
+            "knee_threshold": self.knee_threshold,
+            "rate": self.rate,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepTimeModel:
+        if data.get("version") != 2:  # version 1 had no row cost: calibrate again
+            raise ValueError(f"unknown step-time model version {data.get('version')!r}")
+        return cls(
+            data["grid"],
+            data["values"],
+            data["context_coef"],
+            data["row_coef"],
+            data["knee_threshold"],
+            data["rate"],
+        )
+
+    def _slope(self, j: int) -> float:
+        return (self.values[j + 1] - self.values[j]) / (self.grid[j + 1] - self.grid[j])
+
+    def _last_slope(self) -> float:
+        return self._slope(len(self.grid) - 2) if len(self.grid) > 1 else 0.0
+
+
+def _hat_weights(grid: Sequence[int], n: int) -> list[float]:
+    """Linear-interpolation weights of n over the grid (clamped at both ends); they sum to 1."""
+    weights = [0.0] * len(grid)
+    if n <= grid[0]:
+        weights[0] = 1.0
+    elif n >= grid[-1]:
+        weights[-1] = 1.0
+    else:
+        hi = bisect.bisect_right(grid, n)
+        frac = (n - grid[hi - 1]) / (grid[hi] - grid[hi - 1])
+        weights[hi - 1], weights[hi] = 1.0 - frac, frac
+    return weights
+
+
+def _non_decreasing(values: Sequence[float]) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        out.append(max(v, out[-1]) if out else v)
+    return out
+
+
+def pool_adjacent_violators(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit to values (isotonic regression)."""
+    blocks: list[list[float]] = []  # [mean, weight, size]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([v, max(w, 1e-9), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2, s2), (m1, w1, s1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, s1 + s2])
+    return [m for m, _, size in blocks for _ in range(int(size))]
