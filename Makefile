@@ -60,11 +60,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 
 # Deployment artifacts without Docker or a cluster: hadolint, compose schema, Helm render +
-# Kubernetes schemas, dashboard PromQL (tests/unit/test_deploy.py also runs in `make test`).
+# Kubernetes schemas, dashboard PromQL (tests/unit/deploy/ also runs in `make test`).
 lint-deploy: $(VENV)/.installed
 	$(VENV)/bin/hadolint --failure-threshold style Dockerfile Dockerfile.cpu
 	$(PY) deploy/grafana/build_dashboard.py --check
-	$(PY) -m pytest -q tests/unit/test_deploy.py
+	$(PY) -m pytest -q tests/unit/deploy
 
 bench: $(VENV)/.models
 	$(PY) bench/kernels.py

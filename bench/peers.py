@@ -19,6 +19,8 @@ Servers' logs: --peers-dir/logs/.
 
 Prints a markdown table and the ratios specserve / each peer; writes --out (JSON, with the
 machine and the versions). A run of a subset of the engines replaces only their entries there.
+bench/peers_process.py watches each server's process tree (RSS, leftovers); bench/peers_report.py
+formats the table.
 
     python bench/peers.py [--engines specserve,specserve-gguf,vllm-cpu,llama.cpp-bf16,...]
         [--peers-dir ~/.cache/specserve/peers] [--llama-cpp-src DIR] [--max-tokens 128]
@@ -29,19 +31,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import importlib.metadata
 import json
 import logging
-import os
-import platform
-import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +48,8 @@ if str(ROOT / "bench") not in sys.path:  # already first when run as a script
     sys.path.insert(0, str(ROOT / "bench"))
 
 import peers_setup as setup  # noqa: E402
+from peers_process import serving, tree_rss_bytes  # noqa: E402
+from peers_report import FAMILIES, fmt, format_report, machine_info  # noqa: E402
 from policy import stream_request  # noqa: E402
 from policy_workload import (  # noqa: E402
     FUNCTIONS,
@@ -60,11 +58,10 @@ from policy_workload import (  # noqa: E402
     code_edit_prompts,
     mixed_prompts,
 )
-from processes import free_port, running, wait_ready  # noqa: E402
+from processes import free_port  # noqa: E402
 
 logger = logging.getLogger("bench.peers")
 
-FAMILIES = ("code_edit", "copy", "open_chat")
 SMOKE = {"target": "smollm2-135m-instruct", "config": "configs/smollm2-cpu.yaml"}
 
 
@@ -203,7 +200,7 @@ async def measure_server(
         results = await run_sequential(client, model, prompts, settings.max_tokens)
         out["families"][family] = median([decode_tokens_per_s(r) for r in results])
         runs += [(family, r) for r in results]
-        logger.info("%s %s: %s tokens/s", spec, family, _fmt(out["families"][family], 1))
+        logger.info("%s %s: %s tokens/s", spec, family, fmt(out["families"][family], 1))
     if spec == "off":
         plain = _cycle(OPEN_CHAT, settings.num_requests)
         results = await run_sequential(client, model, plain, settings.max_tokens)
@@ -217,7 +214,7 @@ async def measure_server(
             )  # fmt: skip
             out["streams"][str(c)] = throughput(results, wall)
             runs += [(f"streams-{c}", r) for r in results]
-            logger.info("%d streams: %s tokens/s", c, _fmt(out["streams"][str(c)], 1))
+            logger.info("%d streams: %s tokens/s", c, fmt(out["streams"][str(c)], 1))
     out["requests"] = [request_record(workload, r) for workload, r in runs]
     for workload, r in runs:
         if r.error:
@@ -239,143 +236,7 @@ def request_record(workload: str, result: RequestResult) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- memory
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` and all its descendants, summed (psutil when installed, else
-    /proc). Processes that exit while being read are skipped."""
-    try:
-        import psutil
-    except ImportError:
-        return sum(_proc_rss(p) for p in [pid, *_proc_descendants(pid)])
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += proc.memory_info().rss
-    return total
-
-
-def _proc_descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # the name may hold spaces
-                parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
-def _proc_rss(pid: int) -> int:
-    try:
-        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (with the pid, an identity that pid
-    reuse cannot fake); None once it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def stop_leftovers(seen: dict[int, int | None], timeout: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL, the processes of `seen` (pid: start time) still alive: children a
-    server left behind must not run beside the next one."""
-    alive = [p for p, t in seen.items() if t is not None and _start_time(p) == t]
-    for pid in alive:
-        logger.warning("stopping process %d that the server left behind", pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _start_time(p) == seen[p]]
-        time.sleep(0.2)
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-class PeakRss:
-    """Samples a process tree's RSS on a thread every `interval` seconds: `peak` in bytes, and
-    `seen`, every descendant met (pid: start time)."""
-
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
-        self.pid, self.interval, self.peak = pid, interval, 0
-        self.seen: dict[int, int | None] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
-            for pid in _proc_descendants(self.pid):
-                self.seen.setdefault(pid, _start_time(pid))
-            if self._stop.wait(self.interval):
-                return
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def cpu_busy_share(interval: float = 1.0) -> float:
-    """The share of the machine's CPU time that was busy over `interval` seconds (/proc/stat)."""
-
-    def read() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
-
-    busy0, total0 = read()
-    time.sleep(interval)
-    busy1, total1 = read()
-    return (busy1 - busy0) / max(1, total1 - total0)
-
-
 # --------------------------------------------------------------------------- servers
-
-
-@contextlib.contextmanager
-def serving(command: setup.ServerCommand, log_path: Path, timeout: float) -> Iterator[PeakRss]:
-    """Start the server, yield its RSS sampler once /health answers 200; stop it and whatever
-    children it left behind."""
-    busy = cpu_busy_share()
-    if busy > 0.25:
-        logger.warning(
-            "the CPU was %.0f%% busy before the server: something else runs?", 100 * busy
-        )
-    logger.info("$ %s  (log: %s)", " ".join(command.with_env()), log_path)
-    seen: dict[int, int | None] = {}
-    try:
-        with running(command.with_env(), log_path) as proc, PeakRss(proc.pid) as rss:
-            seen = rss.seen
-            port = command.argv[command.argv.index("--port") + 1]
-            wait_ready(f"http://127.0.0.1:{port}{command.health_path}", proc, log_path, timeout)
-            yield rss
-    finally:
-        stop_leftovers(seen)
 
 
 def bench_engine(name: str, settings: BenchSettings, families: dict[str, list[str]]) -> dict:
@@ -420,106 +281,6 @@ async def _measure(url: str, spec: str, settings: BenchSettings, families: dict)
     )
     async with httpx.AsyncClient(base_url=url, timeout=900.0, limits=limits) as client:
         return await measure_server(client, spec, settings, families)
-
-
-# --------------------------------------------------------------------------- the report
-
-Value = float | None | tuple[float | None, ...]
-
-
-def table_rows(
-    server_results: dict[str, Any], concurrency: Sequence[int]
-) -> list[tuple[str, Value, int]]:
-    """(row label, value, decimals) of one engine's column, from its servers' results; a figure
-    its run lacks is None."""
-    off = server_results.get("off", {})
-
-    def fam(spec: str) -> tuple[float | None, ...]:
-        families = server_results.get(spec, {}).get("families", {})
-        return tuple(families.get(f) for f in FAMILIES)
-
-    streams = off.get("streams", {})
-    return [
-        ("batch-1 decode", off.get("decode_tps"), 1),
-        ("TTFT batch 1 (ms)", off.get("ttft_ms"), 0),
-        *((f"{c} streams", streams.get(str(c)), 1) for c in concurrency),
-        ("spec off (code edit / copy / open chat)", fam("off"), 1),
-        ("draft model (code edit / copy / open chat)", fam("draft_model"), 1),
-        ("n-gram (code edit / copy / open chat)", fam("ngram"), 1),
-        ("RSS at ready, spec off (GiB)", off.get("ready_rss_gib"), 2),
-        ("peak RSS, spec off (GiB)", off.get("peak_rss_gib"), 2),
-    ]
-
-
-def _fmt(value: Value, decimals: int) -> str:
-    if isinstance(value, tuple):
-        return " / ".join(_fmt(v, decimals) for v in value)
-    return "-" if value is None else f"{value:.{decimals}f}"
-
-
-def _ratio(ours: Value, theirs: Value) -> str:
-    if isinstance(ours, tuple) and isinstance(theirs, tuple):
-        return " / ".join(_ratio(a, b) for a, b in zip(ours, theirs, strict=True))
-    if not isinstance(ours, float | int) or not isinstance(theirs, float | int) or not theirs:
-        return "-"
-    return f"{ours / theirs:.2f}x"
-
-
-def format_report(engines: dict[str, Any], concurrency: Sequence[int]) -> str:
-    """The figures, one column per engine in setup.ENGINES order, then each of specserve's
-    columns (bf16, GGUF) / each peer."""
-    names = [n for n in setup.ENGINES if n in engines]
-    columns = {n: table_rows(engines[n]["servers"], concurrency) for n in names}
-    labels = [label for label, _, _ in columns[names[0]]] if names else []
-    header = "| figure (tokens/s) | " + " | ".join(setup.ENGINES[n].label for n in names) + " |"
-    lines = [header, "|---|" + "---:|" * len(names)]
-    for i, label in enumerate(labels):
-        cells = [_fmt(columns[n][i][1], columns[n][i][2]) for n in names]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    peers = [n for n in names if not n.startswith("specserve")]
-    ours_names = [n for n in names if n.startswith("specserve")]
-    for our in ours_names if peers else ():
-        lines += [
-            "",
-            f"| {setup.ENGINES[our].label} / peer | "
-            + " | ".join(setup.ENGINES[n].label for n in peers)
-            + " |",
-        ]
-        lines.append("|---|" + "---:|" * len(peers))
-        for i, label in enumerate(labels):
-            ours = columns[our][i][1]
-            cells = [_ratio(ours, columns[n][i][1]) for n in peers]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    if ours_names and peers:
-        lines.append("")
-        lines.append("Ratios above 1 favour specserve, except TTFT and RSS (lower is better).")
-    failed = [
-        f"{n} {s}: {r['failed'][:200]}"
-        for n in names
-        for s, r in engines[n]["servers"].items()
-        if "failed" in r
-    ]
-    lines += ["", *(f"FAILED {line}" for line in failed)] if failed else []
-    return "\n".join(lines) + "\n"
-
-
-def machine_info(settings: BenchSettings) -> dict[str, Any]:
-    """The CPU, the repo's torch and specserve, and the installed peers' versions."""
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": cpu,
-        "num_cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": importlib.metadata.version("torch"),
-        "specserve": importlib.metadata.version("specserve"),
-        "peers": setup.peer_versions(setup.PeerPaths(settings.setup.peers_dir)),
-    }
 
 
 # --------------------------------------------------------------------------- main
@@ -607,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in settings.engines:
         logger.info("=== %s", name)
         result = bench_engine(name, settings, families)
-        machine = machine_info(settings)  # after the install: the peer's version is known
+        # After the install: the peer's version is known.
+        machine = machine_info(settings.setup.peers_dir)
         # The CPU each column ran on: a kept column may come from another machine of this kind.
         engines[name] = {**result, "cpu": machine["cpu"]}
         payload = {

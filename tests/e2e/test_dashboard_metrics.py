@@ -4,7 +4,7 @@ A real uvicorn server over the tiny random-weight Llama, speculating with n-gram
 decoding request (mode "always"), serves a few completions whose prompts repeat themselves (so
 the n-gram proposer finds drafts and some are accepted); then /metrics is scraped and parsed with
 prometheus_client's parser. The names come from the dashboard JSON and the Prometheus adapter
-rules (tests/unit/test_deploy.py reads them the same way).
+rules (tests/unit/deploy/ reads them the same way).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.e2e.conftest import IDLE, LiveServer, live_server, wait_idle
 from tests.metric_schema import EXPORTED
-from tests.unit.test_deploy import deployment_metric_names
+from tests.unit.deploy.helpers import deployment_metric_names
 
 MODEL = "tiny-spec"
 PROMPTS = (

@@ -1,6 +1,7 @@
-"""bench/peers.py and bench/peers_setup.py without any peer, model or network: the stream-timing
-arithmetic, the concurrent-stream driver over a mock transport, the table and its ratios, the
-process-tree RSS, and each engine's exact command line and environment."""
+"""bench/peers.py (with peers_process.py, peers_report.py) and bench/peers_setup.py without any
+peer, model or network: the stream-timing arithmetic, the concurrent-stream driver over a mock
+transport, the table and its ratios, the process-tree RSS, and each engine's exact command line
+and environment."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from tests.unit.bench_scripts import BENCH, load_bench_script
 ROOT = Path(__file__).resolve().parents[2]
 
 
-P, S, W = load_bench_script("peers.py", "peers_setup", "policy_workload")
+P, S, W, PP, PR = load_bench_script(
+    "peers.py", "peers_setup", "policy_workload", "peers_process", "peers_report"
+)
 
 
 def _result(times, tokens, error=None) -> W.RequestResult:
@@ -146,7 +149,7 @@ def test_format_report_columns_rows_and_ratios():
         },
         "vllm-cpu": {"servers": {"off": {"failed": "vllm exited with 1"}}},
     }
-    report = P.format_report(engines, (4, 16))
+    report = PR.format_report(engines, (4, 16))
     lines = report.splitlines()
     # columns in registry order, whatever order the results came in
     assert lines[0] == "| figure (tokens/s) | specserve | vLLM-CPU | llama.cpp Q4_K_M |"
@@ -172,7 +175,7 @@ def test_format_report_columns_rows_and_ratios():
         ratios[8] == "| n-gram (code edit / copy / open chat) | - / - / - | 1.25x / 1.50x / 0.50x |"
     )
     assert "FAILED vllm-cpu off: vllm exited with 1" in report
-    alone = P.format_report({"specserve": engines["specserve"]}, (4, 16))
+    alone = PR.format_report({"specserve": engines["specserve"]}, (4, 16))
     assert "specserve / peer" not in alone and "| batch-1 decode | 20.0 |" in alone
 
 
@@ -182,9 +185,9 @@ def test_format_report_columns_rows_and_ratios():
 def test_tree_rss_sums_the_process_and_its_children():
     psutil = pytest.importorskip("psutil")
     own = psutil.Process().memory_info().rss
-    alone = P.tree_rss_bytes(os.getpid())
+    alone = PP.tree_rss_bytes(os.getpid())
     assert 0.8 * own < alone < 1.25 * own
-    assert P._proc_rss(os.getpid()) == pytest.approx(own, rel=0.2)  # the /proc fallback
+    assert PP._proc_rss(os.getpid()) == pytest.approx(own, rel=0.2)  # the /proc fallback
     child = subprocess.Popen(
         [sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"]
     )
@@ -195,21 +198,21 @@ def test_tree_rss_sums_the_process_and_its_children():
         ):
             time.sleep(0.05)
         child_rss = psutil.Process(child.pid).memory_info().rss
-        assert child.pid in P._proc_descendants(os.getpid())
+        assert child.pid in PP._proc_descendants(os.getpid())
         # This process's own RSS moves with whatever ran before in it: compare with a reading
         # taken right beside each sum, not with the one from before the child started.
-        with_child = P.tree_rss_bytes(os.getpid())
+        with_child = PP.tree_rss_bytes(os.getpid())
         own_now = psutil.Process().memory_info().rss
         assert with_child >= 0.9 * own_now + 0.9 * child_rss
-        assert with_child - P.tree_rss_bytes(child.pid) <= 1.2 * own_now
-        with P.PeakRss(os.getpid(), interval=0.01) as peak:
+        assert with_child - PP.tree_rss_bytes(child.pid) <= 1.2 * own_now
+        with PP.PeakRss(os.getpid(), interval=0.01) as peak:
             time.sleep(0.05)
         assert peak.peak >= 0.9 * psutil.Process().memory_info().rss + 0.9 * child_rss
     finally:
         child.kill()
         child.wait()
-    assert P.tree_rss_bytes(child.pid) == 0  # gone: nothing to count
-    assert P._proc_rss(child.pid) == 0
+    assert PP.tree_rss_bytes(child.pid) == 0  # gone: nothing to count
+    assert PP._proc_rss(child.pid) == 0
 
 
 def test_stop_leftovers_ends_what_the_server_left_behind_and_nothing_else():
@@ -217,24 +220,24 @@ def test_stop_leftovers_ends_what_the_server_left_behind_and_nothing_else():
     parent = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
     try:
         deadline = time.monotonic() + 10
-        while not P._proc_descendants(parent.pid) and time.monotonic() < deadline:
+        while not PP._proc_descendants(parent.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        with P.PeakRss(parent.pid, interval=0.01) as sampler:
+        with PP.PeakRss(parent.pid, interval=0.01) as sampler:
             time.sleep(0.05)
         (grandchild,) = sampler.seen
-        assert sampler.seen[grandchild] == P._start_time(grandchild) is not None
+        assert sampler.seen[grandchild] == PP._start_time(grandchild) is not None
     finally:
         parent.kill()
         parent.wait()
-    assert P._start_time(grandchild) is not None  # orphaned, still running
-    me = {os.getpid(): P._start_time(os.getpid()) + 1}  # a reused pid: not the process seen
-    P.stop_leftovers({**sampler.seen, **me}, timeout=5)
-    assert P._start_time(grandchild) is None
-    assert P._start_time(os.getpid()) is not None
+    assert PP._start_time(grandchild) is not None  # orphaned, still running
+    me = {os.getpid(): PP._start_time(os.getpid()) + 1}  # a reused pid: not the process seen
+    PP.stop_leftovers({**sampler.seen, **me}, timeout=5)
+    assert PP._start_time(grandchild) is None
+    assert PP._start_time(os.getpid()) is not None
 
 
 def test_cpu_busy_share_is_a_share():
-    assert 0.0 <= P.cpu_busy_share(0.05) <= 1.0
+    assert 0.0 <= PP.cpu_busy_share(0.05) <= 1.0
 
 
 # --------------------------------------------------------------------------- command lines
@@ -338,7 +341,7 @@ def test_specserve_command_and_config(tmp_path):
         "prompt_lookup_max": 4,
         "mode": "always",
     }
-    from engine.spec.config import SpeculativeConfig  # what the server builds accepts them
+    from engine.speculation.config import SpeculativeConfig  # what the server builds accepts them
 
     spec = SpeculativeConfig.from_dict(ngram)
     assert spec.num_speculative_tokens == 8 and spec.mode == "always"

@@ -1,6 +1,6 @@
-"""bench/policy.py's pure parts: percentiles, inter-token latency, SSE and Prometheus parsing,
-level aggregation, the report's comparisons, the per-mode server config and one streamed
-request against a mock transport."""
+"""bench/policy.py's pure parts (bench/policy_report.py's included): percentiles, inter-token
+latency, SSE and Prometheus parsing, level aggregation, the report's comparisons, the per-mode
+server config and one streamed request against a mock transport."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.bench_scripts import load_bench_script
 
-P, W = load_bench_script("policy.py", "policy_workload")
+P, W, PR = load_bench_script("policy.py", "policy_workload", "policy_report")
 
 
 def _level(mode, c, tps, workload="mixed", share=None) -> W.LevelResult:
@@ -242,19 +242,19 @@ def test_auto_vs_best_and_targets():
         _level("off", 1, 10.0, "code_edit"),
         _level("auto", 1, 16.0, "code_edit"),
     ]
-    gaps = P.auto_vs_best(levels)
+    gaps = PR.auto_vs_best(levels)
     assert gaps[1] == (pytest.approx(-0.025), "always")
     assert gaps[8] == (pytest.approx(-0.06), "off")
-    targets = P.check_targets(levels)
+    targets = PR.check_targets(levels)
     assert targets["auto_within_tolerance"] is False  # c=8 trails off by 6%
     assert targets["code_edit_c1_auto_over_off"] == pytest.approx(1.6)
     assert targets["code_edit_c1_target_met"] is True
-    assert P.check_targets(levels[:3] + levels[6:7])["code_edit_c1_target_met"] is None
-    assert P.check_targets(levels[:3])["auto_within_tolerance"] is True
+    assert PR.check_targets(levels[:3] + levels[6:7])["code_edit_c1_target_met"] is None
+    assert PR.check_targets(levels[:3])["auto_within_tolerance"] is True
 
 
 def test_format_table_rows_and_ratio_to_off():
-    table = P.format_table([_level("auto", 2, 30.0, share=0.5), _level("off", 2, 20.0)])
+    table = PR.format_table([_level("auto", 2, 30.0, share=0.5), _level("off", 2, 20.0)])
     rows = table.splitlines()[2:]
     assert rows[0].startswith("| 2 | off | 20.00 | 1.00x | 100 | 200 | 10 | 20 |")
     assert rows[1].startswith("| 2 | auto | 30.00 | 1.50x |") and "| 50% |" in rows[1]
