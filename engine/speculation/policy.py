@@ -1,11 +1,13 @@
 """The speculation policy: each step, a draft length k and one reason per decoding request.
 
-One model decides. The step-time model (step_time.py) prices a step, each request's acceptance
-estimate (acceptance.py) says what its drafts would earn, and the allocation maximises the step's
-goodput (goodput.py), the draft model's forwards and the overhead of speculating included. Before
-it, operator limits and opt-outs cap k; after it, a switch (a request on or off, the draft model
-deeper or shallower) must beat keeping the last decision by SWITCH_MARGIN. The modes: "auto" is
-all of the above, "always" grants every cap while the budget lasts, "off" grants nothing.
+One model decides. The step-time model (step_time.py) prices a plain step, the drafting costs
+(costs.py: the overhead of speculating, the draft model's forwards and catch-up, and the learned
+correction of speculating steps' cost) the rest, each request's acceptance estimate
+(acceptance.py) says what its drafts would earn, and the allocation maximises the step's goodput
+(goodput.py). Before it, operator limits and opt-outs cap k; after it, a switch (a request on or
+off, the draft model deeper or shallower) is held back unless it gains more than SWITCH_MARGIN.
+The modes: "auto" is all of the above, "always" grants every cap while the budget lasts, "off"
+grants nothing.
 
 Every decision carries one reason from the vocabulary in engine/speculation/stats.py, decided
 here. The scheduler may still cut a grant the KV pool cannot hold, so the policy learns from, and
@@ -21,24 +23,17 @@ from dataclasses import dataclass
 
 from engine.device_monitor import DeviceMonitor
 from engine.request import Request
-from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
+from engine.speculation.acceptance import AcceptanceTracker
+from engine.speculation.costs import MODEL_SOURCES, DraftCosts
 from engine.speculation.goodput import DraftCost, StepShape, best_draft_lengths, goodput
 from engine.speculation.stats import Decision, StepStats
 from engine.speculation.step_time import StepTimeModel
 
-# A switch is taken only when the step's predicted goodput with it beats keeping the last decision
-# by this share: around break-even the estimates wobble step to step, and a switch has costs the
-# model does not see (a draft model catching up, a cold n-gram index).
+# A switch is taken only when it gains more than this share of the goodput (for a request's
+# on/off, of its share of the step's; for the draft model's depth, of the step's): around
+# break-even the estimates wobble step to step, and a switch has costs the model does not see (a
+# draft model catching up, a cold n-gram index).
 SWITCH_MARGIN = 0.03
-# Weight of the newest measurement in the draft-cost and overhead estimates (EWMA).
-COST_RATE = 0.2
-# A first draft forward catching up on at least this many tokens measures the catch-up cost.
-MIN_CATCH_UP_SAMPLE = 16
-# A draft model's catch-up is paid once and spread over the tokens it buys, counted over at most
-# this many: outputs often end (eos) well before max_tokens.
-CATCH_UP_HORIZON = 32
-# Sources that draft with a model: each draft depth costs one batched forward of it.
-MODEL_SOURCES = frozenset({"draft_model"})
 
 
 @dataclass(frozen=True)
@@ -81,12 +76,8 @@ class SpeculationPolicy:
         self.monitor = monitor
         self.disable_batch_size = disable_batch_size
         self.disable_utilization = disable_utilization
-        # Learned online from draft-model timings; starting points timed at start-up.
-        self.draft_forward_seconds = draft_forward_seconds
-        self.catch_up_seconds_per_token = catch_up_seconds_per_token
+        self.costs = DraftCosts(draft_forward_seconds, catch_up_seconds_per_token)
         self.tracker = AcceptanceTracker()
-        # Seconds of a step outside its forward and drafting, with and without drafts.
-        self._overhead = {True: 0.0, False: 0.0}
         self._last_k: dict[str, int] = {}  # acceptance key -> k of its last final decision
         self._depth = 0  # the draft model's depth (forwards per step) in the last step
 
@@ -153,7 +144,8 @@ class SpeculationPolicy:
             depth_caps = [
                 min(cap, depth) if m else cap for cap, m in zip(caps, uses_model, strict=True)
             ]
-            cost = self._draft_cost(candidates, alphas, depth_caps, depth)
+            model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
+            cost = self.costs.step_cost(model_seconds, shape, self.step_model)
             ks = best_draft_lengths(alphas, depth_caps, shape, self.step_model, cost)
             return ks, depth_caps, goodput(alphas, ks, shape, self.step_model, cost)
 
@@ -163,8 +155,10 @@ class SpeculationPolicy:
         if options[last][2] * (1.0 + SWITCH_MARGIN) >= options[depth][2]:
             depth = last
         ks, depth_caps, _ = options[depth]
-        cost = self._draft_cost(candidates, alphas, depth_caps, depth)
+        model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
+        cost = self.costs.step_cost(model_seconds, shape, self.step_model)
         ks = self._hold(candidates, alphas, depth_caps, ks, shape, cost)
+        self.costs.decided(model_seconds if any(ks) else 0.0)
         final = []
         for i in range(len(candidates)):
             if ks[i]:
@@ -204,57 +198,22 @@ class SpeculationPolicy:
                 ks = other
         return ks
 
-    def _draft_cost(
-        self, candidates: Sequence[Candidate], alphas: list[float], caps: list[int], depth: int
-    ) -> DraftCost:
-        """Seconds a step with drafts costs beyond its target forward: the overhead of
-        speculating, and for a draft model drafting `depth` deep its forwards plus each drafting
-        request's share of its catch-up."""
-        seconds = self.speculation_overhead
-        if depth > 0:
-            catch_up, best_alpha = 0.0, 0.0
-            for c, alpha, cap in zip(candidates, alphas, caps, strict=True):
-                if c.source in MODEL_SOURCES and cap > 0:
-                    best_alpha = max(best_alpha, alpha)
-                    left = c.request.max_tokens - c.request.num_output_tokens
-                    share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
-                    catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
-            # The draft model stops a request at its first unconfident token (where the verify
-            # tends to reject), so forward j runs about as often as some request is still
-            # accepted so far: E(alpha, depth - 1) forwards, not depth.
-            seconds += self.draft_forward_seconds * expected_tokens(best_alpha, depth - 1)
-            seconds += catch_up
-        return _constant(seconds)
-
     def _why_not(self, alpha: float, cap: int, uses_model: bool, context: int) -> str:
         """A request left at 0 is compute_bound when drafting would pay for it alone at this
         context (the batch's load stopped it), else low_acceptance."""
         alone = StepShape(1, 1, context, cap, 1)
         plain = goodput([alpha], [0], alone, self.step_model)
         for k in range(1, cap + 1):
-            seconds = self.speculation_overhead
-            if uses_model:
-                seconds += self.draft_forward_seconds * expected_tokens(alpha, k - 1)
-            cost = _constant(seconds)
+            cost = _once(self.costs.alone(alpha, k, uses_model))
             if goodput([alpha], [k], alone, self.step_model, cost) > plain:
                 return "compute_bound"
         return "low_acceptance"
-
-    @property
-    def speculation_overhead(self) -> float:
-        """Extra seconds a step with drafts spends outside the forward and the drafting."""
-        return max(0.0, self._overhead[True] - self._overhead[False])
 
     # ---------------------------------------------------------------------------- learning
 
     def observe(self, stats: StepStats) -> None:
         """Learn from one finished step (its device time synchronised)."""
-        if stats.num_tokens:
-            self.step_model.observe(
-                stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows
-            )
-        has_drafts = any(v.num_draft_tokens and not v.is_shadow for v in stats.verifies)
-        self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
+        self.costs.observe(stats, self.step_model)
         for v in stats.verifies:
             key = acceptance_key(v.request_id, v.source)
             self.tracker.observe(key, v.source, v.num_draft_tokens, v.num_accepted)
@@ -264,15 +223,6 @@ class SpeculationPolicy:
             if d.source in MODEL_SOURCES:
                 depth = max(depth, d.num_draft_tokens)
         self._depth = depth
-        timing = stats.draft_timing
-        if timing is not None and timing.num_more:
-            per_forward = timing.more_seconds / timing.num_more
-            self.draft_forward_seconds = _ewma(self.draft_forward_seconds, per_forward)
-        if timing is not None and timing.num_catch_up >= MIN_CATCH_UP_SAMPLE:
-            extra = max(0.0, timing.first_seconds - self.draft_forward_seconds)
-            self.catch_up_seconds_per_token = _ewma(
-                self.catch_up_seconds_per_token, extra / timing.num_catch_up
-            )
 
     def forget(self, request_id: str) -> None:
         for source in self.tracker.priors:
@@ -281,10 +231,6 @@ class SpeculationPolicy:
             self._last_k.pop(key, None)
 
 
-def _constant(seconds: float) -> DraftCost:
+def _once(seconds: float) -> DraftCost:
     """A drafting cost paid once by a step with any drafts."""
-    return lambda num_draft_tokens: seconds if num_draft_tokens > 0 else 0.0
-
-
-def _ewma(value: float, sample: float) -> float:
-    return value + COST_RATE * (sample - value)
+    return lambda num_draft_tokens: seconds if num_draft_tokens else 0.0

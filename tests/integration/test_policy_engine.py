@@ -170,7 +170,7 @@ def test_paused_draft_model_catches_up_exactly(target) -> None:
     engine = llm.engine
     # Against the fake step time (1 s), the self-draft's real forwards cost next to nothing.
     engine.speculator.policy.step_model = FlatThenLinear()
-    engine.speculator.policy.draft_forward_seconds = 0.0
+    engine.speculator.policy.costs.draft_forward_seconds = 0.0
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], params)
     engine.add_request("b", [2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=15))

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
 from engine.speculation.goodput import StepShape, best_draft_lengths, goodput
 from engine.speculation.policy import Candidate, SpeculationPolicy
+from engine.speculation.stats import StepStats, VerifyResult
 from engine.speculation.step_time import StepTimeModel
 from tests.policy_fakes import KNEE, Driver, FixedAlphas, FixedMonitor, FlatThenLinear
 
@@ -323,3 +324,29 @@ def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
     assert AcceptanceTracker(optimism=0.0).upper_bound("new", "ngram") == tracker.priors["ngram"]
     with pytest.raises(ValueError):
         AcceptanceTracker(optimism=-1.0)
+
+
+def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_error() -> None:
+    """The step-time model is the plain steps'; speculating steps that take twice their
+    prediction teach a correction of 2, which prices out drafts that paid on the model alone,
+    and the correction fades once no speculating step confirms it."""
+    policy = SpeculationPolicy("auto", 7, FlatThenLinear())
+    policy.tracker = FixedAlphas()  # type: ignore[assignment]
+    batch = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64) for i in range(4)]
+    policy.tracker.alphas.update({r.request_id: 0.5 for r in batch})
+    candidates = [Candidate(r, 7, "ngram") for r in batch]
+    step = StepShape(4, 4, 0, 256, 4)
+    assert sum(d.num_draft_tokens for d in policy.decide(candidates, step)) == 4  # to the knee
+    plain = StepStats((), (), 4, 4, 0, 1.0, 0.0, 0.0)  # as predicted
+    drafted = StepStats((), (VerifyResult("r0", "ngram", 4, 2),), 8, 8, 0, 2.0, 0.0, 0.0)
+    for _ in range(40):
+        policy.observe(plain)
+        policy.observe(drafted)
+    assert policy.costs.correction == pytest.approx(2.0, rel=0.1)
+    decisions = policy.decide(candidates, step)
+    assert [d.num_draft_tokens for d in decisions] == [0] * 4
+    assert {d.reason for d in decisions} == {"compute_bound"}
+    for _ in range(400):
+        policy.observe(plain)
+    assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
+    assert sum(d.num_draft_tokens for d in policy.decide(candidates, step)) == 4

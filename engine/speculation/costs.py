@@ -1,0 +1,137 @@
+"""What drafting costs a step beyond its plain forward, learned online: the overhead of a
+speculating step, the draft model's forwards and catch-up, and a correction learned from how
+long speculating steps really took against what was predicted for them.
+
+The step-time model (step_time.py) is the plain steps': it learns only from steps without
+drafts. A speculating step can cost more than the model says in ways it does not see (a draft
+model's forwards at a large batch, a catch-up that stalls every request in the step, verify rows
+over long contexts), so the ratio of realised to predicted seconds is kept for steps with and
+without drafts, and a speculating step's predicted forward and drafting are scaled by their
+quotient (`correction`): a gain the model's own error would erase is priced out, and where the
+model is right (one sequence on a CPU) the correction stays near 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.speculation.acceptance import expected_tokens
+from engine.speculation.goodput import DraftCost, StepShape
+from engine.speculation.step_time import StepTimePredictor
+
+if TYPE_CHECKING:
+    from engine.speculation.policy import Candidate
+    from engine.speculation.stats import StepStats
+
+# Weight of the newest measurement in every estimate here (EWMA).
+COST_RATE = 0.2
+# A first draft forward catching up on at least this many tokens measures the catch-up cost.
+MIN_CATCH_UP_SAMPLE = 16
+# A draft model's catch-up is paid once and spread over the tokens it buys, counted over at most
+# this many: outputs often end (eos) well before max_tokens.
+CATCH_UP_HORIZON = 32
+# Sources that draft with a model: each draft depth costs one batched forward of it.
+MODEL_SOURCES = frozenset({"draft_model"})
+# The correction stays within these bounds, and fades toward none by this share per step without
+# drafts, so speculation is tried again once what made it cost more (a load, a draft model
+# catching up) may have passed.
+CORRECTION_BOUNDS = (0.5, 4.0)
+CORRECTION_FADE = 0.01
+
+
+class DraftCosts:
+    """Seconds of drafting, learned from each step's StepStats."""
+
+    def __init__(
+        self, draft_forward_seconds: float = 0.0, catch_up_seconds_per_token: float = 0.0
+    ) -> None:
+        # Starting points timed at start-up, then learned from the draft model's timings.
+        self.draft_forward_seconds = draft_forward_seconds
+        self.catch_up_seconds_per_token = catch_up_seconds_per_token
+        self._overhead = {True: 0.0, False: 0.0}  # seconds outside forward and drafting
+        self._error = {True: 1.0, False: 1.0}  # realised over predicted seconds
+        self._model_seconds = 0.0  # the draft model's predicted seconds in the step decided
+
+    @property
+    def overhead(self) -> float:
+        """Extra seconds a step with drafts spends outside the forward and the drafting."""
+        return max(0.0, self._overhead[True] - self._overhead[False])
+
+    @property
+    def correction(self) -> float:
+        low, high = CORRECTION_BOUNDS
+        return min(high, max(low, self._error[True] / self._error[False]))
+
+    def model_seconds(
+        self, candidates: Sequence[Candidate], alphas: list[float], caps: list[int], depth: int
+    ) -> float:
+        """The draft model's seconds when it drafts `depth` deep: its forwards plus each drafting
+        request's share of its catch-up."""
+        if depth == 0:
+            return 0.0
+        catch_up, best_alpha = 0.0, 0.0
+        for c, alpha, cap in zip(candidates, alphas, caps, strict=True):
+            if c.source in MODEL_SOURCES and cap > 0:
+                best_alpha = max(best_alpha, alpha)
+                left = c.request.max_tokens - c.request.num_output_tokens
+                share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
+                catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
+        # The draft model stops a request at its first unconfident token (where the verify
+        # tends to reject), so forward j runs about as often as some request is still accepted
+        # so far: E(alpha, depth - 1) forwards, not depth.
+        return self.draft_forward_seconds * expected_tokens(best_alpha, depth - 1) + catch_up
+
+    def step_cost(
+        self, model_seconds: float, shape: StepShape, step_model: StepTimePredictor
+    ) -> DraftCost:
+        """Seconds a step with drafts costs beyond its plain forward: the overhead, the draft
+        model's seconds, and the correction's share of the forward and drafting."""
+        extra, overhead = self.correction - 1.0, self.overhead
+
+        def cost(num_draft_tokens: int) -> float:
+            if num_draft_tokens == 0:
+                return 0.0
+            n, rows = shape.base_tokens + num_draft_tokens, shape.base_rows + num_draft_tokens
+            forward = step_model.predict(n, shape.context, rows)
+            return overhead + model_seconds + extra * (forward + model_seconds)
+
+        return cost
+
+    def alone(self, alpha: float, k: int, uses_model: bool) -> float:
+        """Drafting seconds of k drafts for one request alone (the model uncorrected)."""
+        model = self.draft_forward_seconds * expected_tokens(alpha, k - 1) if uses_model else 0.0
+        return self.overhead + model
+
+    def decided(self, model_seconds: float) -> None:
+        """The draft model's predicted seconds in the step just decided (for its error)."""
+        self._model_seconds = model_seconds
+
+    def observe(self, stats: StepStats, step_model: StepTimePredictor) -> None:
+        has_drafts = stats.has_drafts
+        predicted = step_model.predict(stats.num_tokens, stats.context, stats.num_rows)
+        if stats.num_tokens and predicted > 0:
+            realised = stats.forward_seconds
+            if has_drafts:
+                realised += stats.draft_seconds
+                predicted += self._model_seconds
+            else:
+                observe = getattr(step_model, "observe", None)
+                if observe is not None:
+                    observe(stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows)
+                self._error[True] += CORRECTION_FADE * (self._error[False] - self._error[True])
+            self._error[has_drafts] = _ewma(self._error[has_drafts], realised / predicted)
+        self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
+        timing = stats.draft_timing
+        if timing is not None and timing.num_more:
+            per_forward = timing.more_seconds / timing.num_more
+            self.draft_forward_seconds = _ewma(self.draft_forward_seconds, per_forward)
+        if timing is not None and timing.num_catch_up >= MIN_CATCH_UP_SAMPLE:
+            extra = max(0.0, timing.first_seconds - self.draft_forward_seconds)
+            self.catch_up_seconds_per_token = _ewma(
+                self.catch_up_seconds_per_token, extra / timing.num_catch_up
+            )
+
+
+def _ewma(value: float, sample: float) -> float:
+    return value + COST_RATE * (sample - value)
