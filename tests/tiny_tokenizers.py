@@ -9,6 +9,17 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+# Text with multi-byte characters (accented Latin, CJK, emoji) and code, and the specials a
+# ChatML template needs: what the detokenizer and chat-template tests train their tokenizers on.
+SAMPLE_CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "A café in the town: naïve résumé, déjà vu.",
+    "中文 文本 测试 中文 我们 你好",
+    "emoji 🙂 smile 🙂🙂 done",
+    "print(x) if x else None  # code",
+] * 10
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
 
 def byte_level_bpe(
     corpus: Sequence[str], vocab_size: int, special_tokens: Sequence[str]
