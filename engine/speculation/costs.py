@@ -4,11 +4,12 @@ long speculating steps really took against what was predicted for them.
 
 The step-time model (step_time.py) is the plain steps': it learns only from steps without
 drafts. A speculating step can cost more than the model says in ways it does not see (a draft
-model's forwards at a large batch, a catch-up that stalls every request in the step, verify rows
-over long contexts), so the ratio of realised to predicted seconds is kept for steps with and
-without drafts, and a speculating step's predicted forward and drafting are scaled by their
-quotient (`correction`): a gain the model's own error would erase is priced out, and where the
-model is right (one sequence on a CPU) the correction stays near 1.
+model's forwards at a large batch, verify rows over long contexts), so the ratio of realised to
+predicted seconds is kept for steps with and without drafts, and a speculating step's predicted
+forward and drafting are scaled by their quotient (`correction`): a gain the model's own error
+would erase is priced out, and where the model is right (one sequence on a CPU) the correction
+stays near 1. A draft model's catch-up is charged to a decision as the share of it that the
+step's tokens buy, but predicted in full for the correction: the step does take all of it.
 """
 
 from __future__ import annotations
@@ -64,18 +65,27 @@ class DraftCosts:
         return min(high, max(low, self._error[True] / self._error[False]))
 
     def model_seconds(
-        self, candidates: Sequence[Candidate], alphas: list[float], caps: list[int], depth: int
+        self,
+        candidates: Sequence[Candidate],
+        alphas: list[float],
+        caps: list[int],
+        depth: int,
+        amortised: bool = True,
     ) -> float:
-        """The draft model's seconds when it drafts `depth` deep: its forwards plus each drafting
-        request's share of its catch-up."""
+        """The draft model's seconds when it drafts `depth` deep for the requests with a cap:
+        its forwards plus their catch-up. `amortised` prices the catch-up as each request's
+        share of it (what the step pays for the tokens it buys now; the rest buys later steps'
+        drafts), else in full (what the step will really take)."""
         if depth == 0:
             return 0.0
         catch_up, best_alpha = 0.0, 0.0
         for c, alpha, cap in zip(candidates, alphas, caps, strict=True):
             if c.source in MODEL_SOURCES and cap > 0:
                 best_alpha = max(best_alpha, alpha)
-                left = c.request.max_tokens - c.request.num_output_tokens
-                share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
+                share = 1.0
+                if amortised:
+                    left = c.request.max_tokens - c.request.num_output_tokens
+                    share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
                 catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
         # The draft model stops a request at its first unconfident token (where the verify
         # tends to reject), so forward j runs about as often as some request is still accepted
@@ -104,7 +114,9 @@ class DraftCosts:
         return self.overhead + model
 
     def decided(self, model_seconds: float) -> None:
-        """The draft model's predicted seconds in the step just decided (for its error)."""
+        """The draft model's predicted seconds in the step just decided, its catch-up in full:
+        the correction compares a step's realised seconds with what the model predicted for that
+        step, not with the share of a catch-up the decision charged to it."""
         self._model_seconds = model_seconds
 
     def observe(self, stats: StepStats, step_model: StepTimePredictor) -> None:

@@ -140,24 +140,28 @@ class SpeculationPolicy:
         uses_model = [c.source in MODEL_SOURCES for c in candidates]
         deepest = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
 
-        def allocation(depth: int) -> tuple[list[int], list[int], float, DraftCost, float]:
+        def allocation(depth: int) -> tuple[list[int], list[int], DraftCost, float]:
             depth_caps = [
                 min(cap, depth) if m else cap for cap, m in zip(caps, uses_model, strict=True)
             ]
             model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
             cost = self.costs.step_cost(model_seconds, shape, self.step_model)
             ks = best_draft_lengths(alphas, depth_caps, shape, self.step_model, cost)
-            value = goodput(alphas, ks, shape, self.step_model, cost)
-            return ks, depth_caps, model_seconds, cost, value
+            # Valued with the catch-up of the requests that draft, not of every one that could.
+            cost = self.costs.step_cost(
+                self.costs.model_seconds(candidates, alphas, ks, depth), shape, self.step_model
+            )
+            return ks, depth_caps, cost, goodput(alphas, ks, shape, self.step_model, cost)
 
         options = [allocation(depth) for depth in range(deepest + 1)]
-        depth = max(range(deepest + 1), key=lambda d: options[d][4])
+        depth = max(range(deepest + 1), key=lambda d: options[d][3])
         last = min(self._depth, deepest)
-        if options[last][4] * (1.0 + SWITCH_MARGIN) >= options[depth][4]:
+        if options[last][3] * (1.0 + SWITCH_MARGIN) >= options[depth][3]:
             depth = last
-        ks, depth_caps, model_seconds, cost, _ = options[depth]
+        ks, depth_caps, cost, _ = options[depth]
         ks = self._hold(candidates, alphas, depth_caps, ks, shape, cost)
-        self.costs.decided(model_seconds if any(ks) else 0.0)
+        drafted = max((k for k, m in zip(ks, uses_model, strict=True) if m), default=0)
+        self.costs.decided(self.costs.model_seconds(candidates, alphas, ks, drafted, False))
         final = []
         for i in range(len(candidates)):
             if ks[i]:

@@ -350,3 +350,30 @@ def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_erro
         policy.observe(plain)
     assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
     assert sum(d.num_draft_tokens for d in policy.decide(candidates, step)) == 4
+
+
+def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() -> None:
+    """A draft model's catch-up is charged to a decision as the share of it the step's tokens
+    buy, but the step takes all of it: a step that costs exactly the forwards plus the whole
+    catch-up was predicted right, and must not teach a correction that prices drafting out."""
+    policy = SpeculationPolicy(
+        "auto", 4, FlatThenLinear(), draft_forward_seconds=0.1, catch_up_seconds_per_token=0.01
+    )
+    policy.tracker = FixedAlphas({"r0": 0.9})  # type: ignore[assignment]
+    request = Request("r0", [1, 2, 3], SamplingParams(max_tokens=64), 64)
+    candidates = [Candidate(request, 4, "draft_model", num_catch_up=200)]
+    decisions = policy.decide(candidates, StepShape(1, 1, 0, 256, 1))
+    assert [d.num_draft_tokens for d in decisions] == [4]
+    forwards = 0.1 * expected_tokens(0.9, 3)
+    stats = StepStats(
+        tuple(decisions),
+        (VerifyResult("r0", "draft_model", 4, 3),),
+        5,
+        5,
+        0,
+        1.0,  # the target forward, as the step-time model predicts it
+        forwards + 0.01 * 200,  # the draft model's forwards and its whole catch-up
+        0.0,
+    )
+    policy.observe(stats)
+    assert policy.costs.correction == pytest.approx(1.0, abs=1e-6)
