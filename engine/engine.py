@@ -97,7 +97,8 @@ class LLMEngine:
             policy=self.speculator.policy,
         )
         # Cumulative speculation counters and policy decisions, counted from each StepStats.
-        self.spec_stats = SpecStats()
+        # Every draft position from the start, so its series exist before the first acceptance.
+        self.spec_stats = SpecStats(accepted_per_pos=[0] * self.speculator.num_tokens)
         self.policy_stats = PolicyStats()
         self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}

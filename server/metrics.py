@@ -137,9 +137,6 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
     """Run on the engine thread (through `AsyncEngine.call`)."""
     blocks, scheduler, serving = engine.block_manager, engine.scheduler, engine.metrics
     spec, policy = engine.spec_stats, engine.policy_stats
-    # Every position up to K from the start, so the series exist before the first acceptance.
-    per_pos = [*spec.accepted_per_pos]
-    per_pos += [0] * (engine.speculator.num_tokens - len(per_pos))
     return EngineSnapshot(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -158,7 +155,7 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_drafts=spec.num_drafts,
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
-        accepted_per_pos=tuple(per_pos),
+        accepted_per_pos=tuple(spec.accepted_per_pos),
         num_cut_by_stop=spec.num_cut_by_stop,
         num_prediction_accepted=spec.num_prediction_accepted,
         num_prediction_rejected=spec.num_prediction_rejected,

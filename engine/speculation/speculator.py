@@ -78,6 +78,9 @@ class Speculator:
 
     def _offer(self, request: Request) -> DraftOffer | None:
         sources = [self.prediction] if request.prediction_token_ids else []
+        if self.policy.mode == "off" and (sources or self.chain):
+            # Nothing will be granted: the decision (mode_off) needs no lookup's draft.
+            return DraftOffer((*sources, *self.chain)[0].name, self.num_tokens)
         for proposer in (*sources, *self.chain):
             if not isinstance(proposer, LookupProposer):
                 behind = getattr(proposer, "num_behind", None)

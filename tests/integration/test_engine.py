@@ -222,3 +222,25 @@ def test_randomized_workload_never_leaks(tiny_qwen2, tmp_path, spec):
         stats = engine.spec_stats
         assert stats.num_draft_tokens > stats.num_accepted_tokens
     _assert_idle(engine)
+
+
+def test_mode_off_decides_every_decoding_step_without_a_lookup(tiny_llama, monkeypatch):
+    """With speculation off, each decoding step of each request is one mode_off decision, and
+    no n-gram lookup runs for it (the decision needs no draft)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=256,
+        speculative_config={**config, "mode": "off"},
+    )
+    lookup = llm.engine.speculator.chain[0]
+    monkeypatch.setattr(lookup, "propose", lambda *a: pytest.fail("a lookup ran in mode off"))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7]  # every suffix recurs: a lookup would always draft
+    outputs = llm.generate([prompt, prompt[1:]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12]
+    # Token 1 comes from the prompt's forward and token 12 from a step with no room for a draft
+    # (max_tokens): the 10 steps between are decided.
+    assert llm.engine.policy_stats.decisions == {("skip", "mode_off"): 2 * 10}
