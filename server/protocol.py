@@ -7,7 +7,8 @@ implement (tools, functions, JSON response formats, audio, suffix, echo, best_of
 with a 400, never silently dropped. `parse_request` is the one validation path: any bad body
 leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
-Decisions: `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
+Decisions: /v1/completions' `max_tokens` is 16 whether absent or null (OpenAI's default for that
+endpoint); chat's absent or null max_tokens means "up to the end of the context". `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
 unsigned 64-bit range by two's complement (`seed % 2**64`), so distinct seeds stay distinct.
 `echo` is rejected (not implemented). The `speculation` extension, unlike OpenAI's objects,
 rejects unknown keys. Response bodies live in `server/responses.py`.
@@ -40,6 +41,7 @@ from server.request_checks import (
 )
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's max_tokens for /v1/completions, absent or null
 MAX_STOP_TOKEN_IDS = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -243,7 +245,7 @@ class CompletionRequest(_RequestBase):
     frequency_penalty: Penalty = None
     logit_bias: dict[str, float] | None = None
     logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
-    max_tokens: PositiveInt = 16
+    max_tokens: PositiveInt = COMPLETIONS_MAX_TOKENS
     n: PositiveInt = None
     presence_penalty: Penalty = None
     seed: Seed = None
@@ -264,6 +266,13 @@ class CompletionRequest(_RequestBase):
     stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool | None = None
     speculation: SpeculationOptions | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, max_tokens: int | None) -> int:
+        # An explicit null means what leaving it out means (16), not "to the end of the context":
+        # on this endpoint a client never asks for a whole context by accident.
+        return COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
 
     @field_validator("echo")
     @classmethod
