@@ -68,6 +68,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     )
     state = app.state
     state.settings = settings
+    state.limits = settings.request_limits()
     state.given_engine = async_engine
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer

@@ -39,6 +39,7 @@ from server.request_checks import (
     fail,
     reject_unsupported,
 )
+from server.request_limits import RequestLimits, limits_of, num_sequences_error
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's max_tokens for /v1/completions, absent or null
@@ -165,8 +166,10 @@ class _RequestBase(BaseModel):
 
     @field_validator("logit_bias", check_fields=False)
     @classmethod
-    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        return check_logit_bias(bias)
+    def _logit_bias(
+        cls, bias: dict[str, float] | None, info: ValidationInfo
+    ) -> dict[str, float] | None:
+        return check_logit_bias(bias, info)
 
     @field_validator("n", check_fields=False)
     @classmethod
@@ -185,6 +188,19 @@ class _RequestBase(BaseModel):
         if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", None):
             raise fail("stream_options is only allowed with stream: true", param="stream_options")
         return self
+
+    @model_validator(mode="after")
+    def _num_sequences(self, info: ValidationInfo) -> _RequestBase:
+        n = getattr(self, "n", None) or 1
+        num_prompts = self.num_prompts()
+        message = num_sequences_error(num_prompts, n, limits_of(info))
+        if message is not None:
+            raise fail(message, param="n" if n > 1 or num_prompts == 1 else "prompt")
+        return self
+
+    def num_prompts(self) -> int:
+        """The engine requests it becomes before `n` copies: one per completions prompt."""
+        return 1
 
 
 class ChatCompletionRequest(_RequestBase):
@@ -281,6 +297,10 @@ class CompletionRequest(_RequestBase):
             raise fail("echo is not supported", "unsupported_value")
         return echo
 
+    def num_prompts(self) -> int:
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
         if self.best_of not in (None, 1, self.n or 1):
@@ -292,15 +312,19 @@ class CompletionRequest(_RequestBase):
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 
-def parse_request(model: type[RequestT], body: bytes | str | Any) -> RequestT:
+def parse_request(
+    model: type[RequestT], body: bytes | str | Any, limits: RequestLimits | None = None
+) -> RequestT:
     """Validate a raw body (bytes or str of JSON) or an already decoded one (`json.loads`
-    accepts NaN; the models reject it). Raises `OpenAIError` 400 for any problem."""
+    accepts NaN; the models reject it) under the server's `limits` (default: the defaults).
+    Raises `OpenAIError` 400 for any problem."""
+    context = {"limits": limits} if limits is not None else None
     try:
         if isinstance(body, (bytes, bytearray, str)):
-            return model.model_validate_json(body)
+            return model.model_validate_json(body, context=context)
         if not isinstance(body, Mapping):
             raise invalid_request("The request body must be a JSON object.")
-        return model.model_validate(dict(body))
+        return model.model_validate(dict(body), context=context)
     except ValidationError as e:
         raise from_validation_error(e) from None
 
