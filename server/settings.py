@@ -113,6 +113,31 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
     max_logit_bias: Annotated[
         int, Field(ge=1, description="most logit_bias entries in one request")
     ] = DEFAULT_LIMITS.max_logit_bias
+    header_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a connection may take to send a request's headers"),
+    ] = 30.0
+    body_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a client may take to send a whole request body (408)"),
+    ] = 60.0
+    max_drained_body_bytes: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="bytes of a body over max_body_bytes read and dropped so that the 413 "
+            "reaches the client (a connection closed on unread bytes is reset); past them, or "
+            "past body_timeout, the connection is closed",
+        ),
+    ] = 64 << 20
+    stream_stall_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="seconds a response may wait on a client that reads nothing before the "
+            "connection is closed and its requests aborted",
+        ),
+    ] = 30.0
     stream_one_token_per_chunk: Annotated[
         bool, Field(description="send one SSE chunk per token, not one per engine step")
     ] = False
