@@ -8,10 +8,12 @@ with a 400, never silently dropped. `parse_request` is the one validation path: 
 leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
 Decisions: /v1/completions' `max_tokens` is 16 whether absent or null (OpenAI's default for that
-endpoint); chat's absent or null max_tokens means "up to the end of the context". `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
-unsigned 64-bit range by two's complement (`seed % 2**64`), so distinct seeds stay distinct.
-`echo` is rejected (not implemented). The `speculation` extension, unlike OpenAI's objects,
-rejects unknown keys. Response bodies live in `server/responses.py`.
+endpoint); chat's absent or null max_tokens means "up to the end of the context". `seed` takes
+the spec's int64 range and a negative seed is mapped into the engine's unsigned 64-bit range by
+two's complement (`seed % 2**64`), so distinct seeds stay distinct. Counts are bounded by the
+server's `RequestLimits` (`server/request_limits.py`), given to `parse_request`. `echo` is
+rejected (not implemented). The `speculation` extension, unlike OpenAI's objects, rejects unknown
+keys. Response bodies live in `server/responses.py`.
 """
 
 from __future__ import annotations
