@@ -10,13 +10,16 @@ Meanwhile a background task logs the engine's stats every `log_stats_interval` s
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
 of `scope["path"]`, so nothing rebuilt from the Host header decides what is public), and the
-body-size limit (Content-Length up front, then the bytes actually received). Every error leaves
-as an OpenAI envelope; a 500 carries no exception text.
+body's bounds (its size, by Content-Length up front, then by the bytes actually received; the
+time it takes to arrive). Every error leaves as an OpenAI envelope; a 500 carries no exception
+text. The connection-level timeouts (headers, clients that stop reading) are uvicorn's protocol
+in `server/connections.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -42,9 +45,17 @@ from server.errors import (
     internal_error,
     invalid_request,
     not_found,
+    request_timeout,
     request_too_large,
 )
-from server.metrics import EngineSnapshot, format_stats_line, new_registry, read_snapshot
+from server.metrics import (
+    EngineSnapshot,
+    ServerCollector,
+    ServerCounters,
+    format_stats_line,
+    new_registry,
+    read_snapshot,
+)
 from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
@@ -68,6 +79,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     )
     state = app.state
     state.settings = settings
+    state.limits = settings.request_limits()
     state.given_engine = async_engine
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
@@ -77,9 +89,16 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
     state.created = int(time.time())
     state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
+    state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
+    state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
     app.include_router(router)
     _add_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        timeout=settings.body_timeout,
+        max_drained_bytes=settings.max_drained_body_bytes,
+    )
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     if settings.cors_allow_origins:
@@ -282,33 +301,71 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for a body over `max_bytes`: by its Content-Length before reading, and by the bytes
-    received (a chunked body has no length)."""
+    """The bounds of a request body: its size (413) and the time it takes to arrive (408).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    A body over `max_bytes` (by its Content-Length before reading, else by the bytes received: a
+    chunked body has no length) gets a 413 with `Connection: close`, once the rest of it has been
+    read and dropped (up to `max_drained_bytes`, within the body's time): a connection closed
+    while the client's bytes are still unread is reset by the kernel, and the client would see
+    the reset instead of the 413. A client that announced `Expect: 100-continue` has sent no body
+    yet and gets the 413 at once. A body not received within `timeout` seconds of the request's
+    start gets a 408 with `Connection: close` (the app reads the body before it answers, so a
+    response can still start). Once the body is complete, `receive` passes through untouched.
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout: float, max_drained_bytes: int
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
+        self.max_drained_bytes = max_drained_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        deadline = asyncio.get_running_loop().time() + self.timeout
         error = self._check_length(scope)
         if error is not None:
+            if error.status == 413 and not _expects_continue(scope):
+                await self._drain(receive, deadline)
             await error_response(error)(scope, receive, send)
             return
         num_received = 0
+        is_complete = False
 
         async def limited_receive() -> Message:
-            nonlocal num_received
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes:
-                    raise request_too_large(self.max_bytes)
+            nonlocal num_received, is_complete
+            if is_complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise request_timeout(self.timeout) from None
+            if message["type"] != "http.request":
+                return message
+            num_received += len(message.get("body", b""))
+            is_complete = not message.get("more_body", False)
+            if num_received > self.max_bytes:
+                if not is_complete:
+                    await self._drain(receive, deadline)
+                raise request_too_large(self.max_bytes)
             return message
 
         await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive, deadline: float) -> None:
+        """Read and drop the rest of a body: up to max_drained_bytes, until the deadline."""
+        num_dropped = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while num_dropped <= self.max_drained_bytes:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        return
+                    num_dropped += len(message.get("body", b""))
 
     def _check_length(self, scope: Scope) -> OpenAIError | None:
         for name, value in scope["headers"]:
@@ -320,3 +377,9 @@ class BodyLimitMiddleware:
                 if length > self.max_bytes:
                     return request_too_large(self.max_bytes)
         return None
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(
+        name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"]
+    )

@@ -76,10 +76,12 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import SHUTDOWN_GRACE_S, begin_shutdown, create_app
+    from server.connections import uvicorn_config
 
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
+        settings,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -3,8 +3,9 @@
 `to_sampling_params` maps OpenAI names onto `engine.sampling_params.SamplingParams` and raises
 `ValueError` (naming the field first, so `errors.from_value_error` finds `param`) for what the
 engine rejects. Mappings that are not one-to-one:
-- `max_completion_tokens` wins over the deprecated `max_tokens`; neither -> `default_max_tokens`
-  (None: up to the context length, checked by the engine).
+- chat: `max_completion_tokens` wins over the deprecated `max_tokens`; neither ->
+  `default_max_tokens` (None: up to the context length, checked by the engine). Completions'
+  `max_tokens` is never None (absent or null is 16: `protocol.COMPLETIONS_MAX_TOKENS`).
 - `top_p: 0` keeps only the most likely token, i.e. greedy: temperature 0, top_p 1.
 - A negative seed maps into [0, 2**64) by two's complement.
 - chat `logprobs: true` + `top_logprobs: k` -> `logprobs=k` (0 when absent); completions

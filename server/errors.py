@@ -83,9 +83,17 @@ def not_found(message: str = "Not found.") -> OpenAIError:
 
 
 def request_too_large(max_bytes: int) -> OpenAIError:
-    """413: the request body is over the server's limit."""
-    message = f"The request body is larger than the limit of {max_bytes} bytes."
-    return OpenAIError(413, message, INVALID_REQUEST, None, "request_too_large")
+    """413: the request body is over the server's limit (the connection closes after it)."""
+    message = f"The request body is larger than the limit of {max_bytes} bytes (max_body_bytes)."
+    headers = {"Connection": "close"}
+    return OpenAIError(413, message, INVALID_REQUEST, None, "request_too_large", headers)
+
+
+def request_timeout(seconds: float) -> OpenAIError:
+    """408: the request body did not arrive in time (the connection closes after it)."""
+    message = f"The request body was not received within {seconds:g} s (body_timeout)."
+    headers = {"Connection": "close"}
+    return OpenAIError(408, message, INVALID_REQUEST, None, "request_timeout", headers)
 
 
 def rate_limited(retry_after_s: float, message: str | None = None) -> OpenAIError:

@@ -4,14 +4,15 @@ The engine never imports `prometheus_client`. On each scrape the /metrics route 
 `EngineSnapshot` on the engine thread (`AsyncEngine.call`, between two steps, so the numbers are
 consistent) and the per-app `EngineCollector` turns the latest snapshot into series under the
 `specserve:` prefix, each labelled with `model_name`. While the engine is loading or dead the
-last snapshot read (or none) is exported. `format_stats_line` turns two snapshots into the
+last snapshot read (or none) is exported. The HTTP layer's own counts (`ServerCounters`) are
+exported from the start by a `ServerCollector`. `format_stats_line` turns two snapshots into the
 periodic log line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -166,6 +167,37 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_requests_speculating=policy.num_requests_speculating,
         num_requests_decoding=policy.num_requests_decoding,
     )
+
+
+@dataclass
+class ServerCounters:
+    """What the HTTP layer counts (on the event loop), exported as `specserve:<name>_total`."""
+
+    num_stream_stalls: int = 0  # responses cut because the client read nothing for too long
+
+
+_SERVER_COUNTERS = {
+    "num_stream_stalls": (
+        "stream_stalls",
+        "Responses cut, and their requests aborted, because the client read nothing for "
+        "stream_stall_timeout seconds.",
+    ),
+}
+
+
+class ServerCollector(Collector):
+    """Series from the HTTP layer's `ServerCounters`, at 0 from the start."""
+
+    def __init__(self, model_name: str, counters: ServerCounters) -> None:
+        self.model_name = model_name
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for f in fields(self.counters):
+            name, doc = _SERVER_COUNTERS[f.name]
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], getattr(self.counters, f.name))
+            yield counter
 
 
 class EngineCollector(Collector):

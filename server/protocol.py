@@ -7,10 +7,13 @@ implement (tools, functions, JSON response formats, audio, suffix, echo, best_of
 with a 400, never silently dropped. `parse_request` is the one validation path: any bad body
 leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
-Decisions: `seed` takes the spec's int64 range and a negative seed is mapped into the engine's
-unsigned 64-bit range by two's complement (`seed % 2**64`), so distinct seeds stay distinct.
-`echo` is rejected (not implemented). The `speculation` extension, unlike OpenAI's objects,
-rejects unknown keys. Response bodies live in `server/responses.py`.
+Decisions: /v1/completions' `max_tokens` is 16 whether absent or null (OpenAI's default for that
+endpoint); chat's absent or null max_tokens means "up to the end of the context". `seed` takes
+the spec's int64 range and a negative seed is mapped into the engine's unsigned 64-bit range by
+two's complement (`seed % 2**64`), so distinct seeds stay distinct. Counts are bounded by the
+server's `RequestLimits` (`server/request_limits.py`), given to `parse_request`. `echo` is
+rejected (not implemented). The `speculation` extension, unlike OpenAI's objects, rejects unknown
+keys. Response bodies live in `server/responses.py`.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from server.request_checks import (
     fail,
     reject_unsupported,
 )
+from server.request_limits import RequestLimits, limits_of, num_sequences_error
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's max_tokens for /v1/completions, absent or null
 MAX_STOP_TOKEN_IDS = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -163,8 +168,10 @@ class _RequestBase(BaseModel):
 
     @field_validator("logit_bias", check_fields=False)
     @classmethod
-    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        return check_logit_bias(bias)
+    def _logit_bias(
+        cls, bias: dict[str, float] | None, info: ValidationInfo
+    ) -> dict[str, float] | None:
+        return check_logit_bias(bias, info)
 
     @field_validator("n", check_fields=False)
     @classmethod
@@ -183,6 +190,19 @@ class _RequestBase(BaseModel):
         if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", None):
             raise fail("stream_options is only allowed with stream: true", param="stream_options")
         return self
+
+    @model_validator(mode="after")
+    def _num_sequences(self, info: ValidationInfo) -> _RequestBase:
+        n = getattr(self, "n", None) or 1
+        num_prompts = self.num_prompts()
+        message = num_sequences_error(num_prompts, n, limits_of(info))
+        if message is not None:
+            raise fail(message, param="n" if n > 1 or num_prompts == 1 else "prompt")
+        return self
+
+    def num_prompts(self) -> int:
+        """The engine requests it becomes before `n` copies: one per completions prompt."""
+        return 1
 
 
 class ChatCompletionRequest(_RequestBase):
@@ -243,7 +263,7 @@ class CompletionRequest(_RequestBase):
     frequency_penalty: Penalty = None
     logit_bias: dict[str, float] | None = None
     logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
-    max_tokens: PositiveInt = 16
+    max_tokens: PositiveInt = COMPLETIONS_MAX_TOKENS
     n: PositiveInt = None
     presence_penalty: Penalty = None
     seed: Seed = None
@@ -265,12 +285,23 @@ class CompletionRequest(_RequestBase):
     skip_special_tokens: bool | None = None
     speculation: SpeculationOptions | None = None
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, max_tokens: int | None) -> int:
+        # An explicit null means what leaving it out means (16), not "to the end of the context":
+        # on this endpoint a client never asks for a whole context by accident.
+        return COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, echo: bool | None) -> bool | None:
         if echo:
             raise fail("echo is not supported", "unsupported_value")
         return echo
+
+    def num_prompts(self) -> int:
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
@@ -283,15 +314,19 @@ class CompletionRequest(_RequestBase):
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 
-def parse_request(model: type[RequestT], body: bytes | str | Any) -> RequestT:
+def parse_request(
+    model: type[RequestT], body: bytes | str | Any, limits: RequestLimits | None = None
+) -> RequestT:
     """Validate a raw body (bytes or str of JSON) or an already decoded one (`json.loads`
-    accepts NaN; the models reject it). Raises `OpenAIError` 400 for any problem."""
+    accepts NaN; the models reject it) under the server's `limits` (default: the defaults).
+    Raises `OpenAIError` 400 for any problem."""
+    context = {"limits": limits} if limits is not None else None
     try:
         if isinstance(body, (bytes, bytearray, str)):
-            return model.model_validate_json(body)
+            return model.model_validate_json(body, context=context)
         if not isinstance(body, Mapping):
             raise invalid_request("The request body must be a JSON object.")
-        return model.model_validate(dict(body))
+        return model.model_validate(dict(body), context=context)
     except ValidationError as e:
         raise from_validation_error(e) from None
 

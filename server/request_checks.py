@@ -3,7 +3,9 @@
 A union such as `str | list[TextContentPart]` makes pydantic report one error per branch, under
 locations like `content.list[TextContentPart].0.type`; these before-validators check the shape
 first and raise ONE error with a clear message at the field itself. `fail` builds that error; a
-`param` in its context overrides the location (for checks that span several fields).
+`param` in its context overrides the location (for checks that span several fields). The bounds
+on counts are the server's settings (`server/request_limits.py`), read from the validation
+context.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from typing import Any
 from pydantic import ValidationInfo
 from pydantic_core import PydanticCustomError
 
-MAX_STOP_SEQUENCES = 4
+from server.request_limits import limits_of, over
+
 MAX_STOP_CHARS = 512
-MAX_LOGIT_BIAS = 300
-MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
 def fail(message: str, kind: str = "value_error", param: str | None = None) -> PydanticCustomError:
@@ -47,20 +48,21 @@ def check_text_parts(value: Any) -> Any:
     return value
 
 
-def check_stop(value: Any) -> Any:
+def check_stop(value: Any, info: ValidationInfo) -> Any:
     if value is None:
         return value
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
         raise fail("must be a string or a list of strings")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise fail(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+    limit = limits_of(info).max_stop_sequences
+    if len(stops) > limit:
+        raise fail(f"got {len(stops)} stop sequences; {over('max_stop_sequences', limit)}")
     if not all(0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
         raise fail(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
     return value
 
 
-def check_prompt(value: Any) -> Any:
+def check_prompt(value: Any, info: ValidationInfo) -> Any:
     """A non-empty string, list of strings, list of token ids, or list of lists of token ids."""
     if isinstance(value, str):
         if not value:
@@ -76,8 +78,9 @@ def check_prompt(value: Any) -> Any:
         raise fail(
             "must be a string, a list of strings, a list of token ids or a list of token id lists"
         )
-    if len(prompts) > MAX_PROMPTS:
-        raise fail(f"at most {MAX_PROMPTS} prompts are allowed, got {len(prompts)}")
+    limit = limits_of(info).max_prompts_per_request
+    if len(prompts) > limit:
+        raise fail(f"got {len(prompts)} prompts; {over('max_prompts_per_request', limit)}")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise fail(f"prompt {i} is empty")
@@ -90,12 +93,15 @@ def check_prompt(value: Any) -> Any:
     return value
 
 
-def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
-    """Token ids as decimal strings -> bias in [-100, 100]; at most MAX_LOGIT_BIAS entries."""
+def check_logit_bias(
+    bias: dict[str, float] | None, info: ValidationInfo
+) -> dict[str, float] | None:
+    """Token ids as decimal strings -> bias in [-100, 100]; at most max_logit_bias entries."""
     if bias is None:
         return None
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise fail(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
+    limit = limits_of(info).max_logit_bias
+    if len(bias) > limit:
+        raise fail(f"got {len(bias)} entries; {over('max_logit_bias', limit)}")
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()):
             raise fail(f"keys must be token ids written as decimal strings, got {key!r}")

@@ -33,6 +33,7 @@ from server.errors import (
 )
 from server.metrics import CONTENT_TYPE, read_snapshot, render
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, unknown_fields
+from server.request_limits import check_requested_tokens
 from server.response_builders import (
     ChatStream,
     CompletionStream,
@@ -132,6 +133,8 @@ async def chat_completions(request: Request) -> Response:
         prompt_ids = await tokenizer.chat(prompt_of(req))
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_tokens(request, engine, params, [len(prompt_ids)], given)
     prediction = prediction_of(req)
     if prediction:
         (prediction,) = await tokenizer.texts([prediction])
@@ -152,6 +155,8 @@ async def completions(request: Request) -> Response:
     engine = _serving_engine(request)
     params = _sampling_params(req)
     prompts = prompt_of(req)
+    # Completions always have a max_tokens: counting them needs no prompt length.
+    _check_tokens(request, engine, params, [0] * len(prompts), "max_tokens")
     if state.prompt_tokenizer is not None:  # else the engine says text needs a tokenizer
         prompts = await state.prompt_tokenizer.texts(prompts)
     meta = ResponseMeta.new("cmpl", state.settings.model_name)
@@ -174,7 +179,7 @@ async def _parse(request: Request, model: type[RequestT]) -> RequestT:
     if content_type is not None and not _is_json(content_type):
         message = f"Content-Type must be application/json, got {content_type!r}."
         raise invalid_request(message, code="invalid_content_type")
-    req = parse_request(model, await request.body())
+    req = parse_request(model, await request.body(), request.app.state.limits)
     if req.model != request.app.state.settings.model_name:
         raise model_not_found(req.model)
     extra = unknown_fields(req)
@@ -200,6 +205,24 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampling
         return to_sampling_params(req, default_max_tokens=None)
     except ValueError as e:
         raise from_value_error(e, type(req).model_fields) from None
+
+
+def _check_tokens(
+    request: Request,
+    engine: AsyncEngine,
+    params: SamplingParams,
+    prompt_lens: Sequence[int],
+    param: str,
+) -> None:
+    """400 when the request may generate more tokens than `max_tokens_per_request` allows."""
+    check_requested_tokens(
+        request.app.state.limits,
+        engine.engine.max_model_len,
+        n=params.n,
+        max_tokens=params.max_tokens,
+        prompt_lens=prompt_lens,
+        param=param,
+    )
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:

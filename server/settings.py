@@ -30,6 +30,7 @@ from pydantic.fields import FieldInfo
 
 from engine.config import EngineConfig
 from engine.speculation.config import SpeculativeConfig
+from server.request_limits import CONTEXTS_PER_REQUEST, DEFAULT_LIMITS, RequestLimits
 
 ENV_PREFIX = "SPECSERVE_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -85,6 +86,58 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
     max_body_bytes: Annotated[
         int, Field(ge=1, description="largest request body accepted (413 above)")
     ] = 4 << 20
+    max_prompts_per_request: Annotated[
+        int, Field(ge=1, description="most prompts in one /v1/completions request")
+    ] = DEFAULT_LIMITS.max_prompts_per_request
+    max_sequences_per_request: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="most sequences one request fans out into: n for a chat request, "
+            "prompts x n for a completions request (n alone is at most 16)",
+        ),
+    ] = DEFAULT_LIMITS.max_sequences_per_request
+    max_tokens_per_request: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="most tokens one request may ask for: the sum over its sequences of "
+            "max_tokens, a chat request without one counting the context left after its prompt "
+            f"(default: {CONTEXTS_PER_REQUEST} x max_model_len, so that a chat request with n up "
+            f"to {CONTEXTS_PER_REQUEST} and no max_tokens always passes)",
+        ),
+    ] = None
+    max_stop_sequences: Annotated[
+        int, Field(ge=1, description="most stop strings in one request")
+    ] = DEFAULT_LIMITS.max_stop_sequences
+    max_logit_bias: Annotated[
+        int, Field(ge=1, description="most logit_bias entries in one request")
+    ] = DEFAULT_LIMITS.max_logit_bias
+    header_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a connection may take to send a request's headers"),
+    ] = 30.0
+    body_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a client may take to send a whole request body (408)"),
+    ] = 60.0
+    max_drained_body_bytes: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="bytes of a body over max_body_bytes read and dropped so that the 413 "
+            "reaches the client (a connection closed on unread bytes is reset); past them, or "
+            "past body_timeout, the connection is closed",
+        ),
+    ] = 64 << 20
+    stream_stall_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="seconds a response may wait on a client that reads nothing before the "
+            "connection is closed and its requests aborted",
+        ),
+    ] = 30.0
     stream_one_token_per_chunk: Annotated[
         bool, Field(description="send one SSE chunk per token, not one per engine step")
     ] = False
@@ -137,6 +190,11 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
     def model_name(self) -> str:
         """The name clients must send as `model`."""
         return self.served_model_name or self.model
+
+    def request_limits(self) -> RequestLimits:
+        """The per-request bounds among these settings."""
+        names = {f.name for f in dataclasses.fields(RequestLimits)}
+        return RequestLimits(**self.model_dump(include=names))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `EngineConfig` (those left unset are left out)."""

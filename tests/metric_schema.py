@@ -25,6 +25,7 @@ COUNTERS = (
     "spec_decode_num_cut_by_stop_tokens",
     "spec_decode_num_prediction_accepted_tokens",
     "spec_decode_num_prediction_rejected_tokens",
+    "stream_stalls",  # the HTTP layer's (server/connections.py)
 )
 HISTOGRAMS = (
     "time_to_first_token_seconds",

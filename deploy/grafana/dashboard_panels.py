@@ -191,6 +191,13 @@ SERVING = (
         unit="reqps",
         stacked=True,
     ),
+    Panel(
+        "Stalled streams cut",
+        (Query(rate("stream_stalls_total")),),
+        unit="short",
+        description="Responses cut per second because the client read nothing for "
+        "stream_stall_timeout seconds (their requests are aborted).",
+    ),
     _latency(
         "Queue time",
         "request_queue_time_seconds",

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from engine.engine import LLMEngine
 from server.async_engine import AsyncEngine
+from server.connections import uvicorn_config
 from server.settings import Settings
 from tests.conftest import build_tiny_model
 
@@ -114,13 +115,21 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(app: FastAPI, wait: bool = True) -> Iterator[LiveServer]:
-    """Serve `app` on a free loopback port until the block ends; `wait`: until /health is 200."""
+def live_server(
+    app: FastAPI, wait: bool = True, send_buffer_bytes: int | None = None
+) -> Iterator[LiveServer]:
+    """Serve `app` on a free loopback port until the block ends; `wait`: until /health is 200.
+    uvicorn is configured as the CLI configures it (`uvicorn_config`: the app's timeouts).
+    `send_buffer_bytes` fixes the connections' kernel send buffers (else loopback lets them grow
+    to megabytes before a client that reads nothing holds a response back)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    config = uvicorn_config(app, app.state.settings, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(app, server, thread, port)

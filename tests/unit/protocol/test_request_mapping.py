@@ -115,8 +115,11 @@ def test_completion_request_to_sampling_params():
     req = parse_request(CompletionRequest, patched_body(COMPLETION, logprobs=3, n=2, best_of=2))
     params = to_sampling_params(req, default_max_tokens=99)
     assert (params.logprobs, params.n, params.max_tokens) == (3, 2, 16)  # spec default: 16
+    # An explicit null is the endpoint's default too, not "up to the end of the context".
     req = parse_request(CompletionRequest, patched_body(COMPLETION, max_tokens=None))
-    assert to_sampling_params(req, default_max_tokens=99).max_tokens == 99
+    assert req.max_tokens == 16
+    assert to_sampling_params(req, default_max_tokens=None).max_tokens == 16
+    assert to_sampling_params(req, default_max_tokens=99).max_tokens == 16
 
 
 def test_invalid_combination_raises_value_error_with_param():
