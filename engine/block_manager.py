@@ -86,8 +86,6 @@ class BlockManager:
         self._next_serial = 0
         self._block_tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[_ChainLink]] = {}
-        self.prefix_cache_queries = 0  # tokens looked up by get_computed_blocks
-        self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     # ---- counts ---------------------------------------------------------------------------
 
@@ -144,10 +142,7 @@ class BlockManager:
                 break  # hash collision: same key, other content
             block_ids.append(block_id)
             parent_hash, parent_serial = block_hash, block.serial
-        num_cached_tokens = len(block_ids) * self.block_size
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_cached_tokens
-        return block_ids, num_cached_tokens
+        return block_ids, len(block_ids) * self.block_size
 
     # ---- allocation -----------------------------------------------------------------------
 

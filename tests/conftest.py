@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 # Tests build throwaway models: their step-time calibrations are not worth caching in ~/.cache.
 os.environ.setdefault("SPECSERVE_CALIBRATION_CACHE", "0")
@@ -53,6 +57,27 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     model = model.to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def ngram_llm(model_path: Path) -> LLM:
+    """An offline LLM over a tiny model that drafts 3 tokens by n-gram lookup in every step (a
+    one-token match is enough): float32, 4-token blocks, a 256-token context."""
+    from engine import LLM
+
+    config = {
+        "method": "ngram",
+        "mode": "always",  # a fixed K: the auto policy's choices depend on measured times
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+    }
+    return LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=256,
+        speculative_config=config,
+    )
 
 
 @pytest.fixture(scope="session")

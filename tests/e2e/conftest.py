@@ -1,6 +1,11 @@
 """End-to-end fixtures: a tiny random-weight Llama that has a real tokenizer and chat template,
 and real uvicorn servers on free loopback ports, each in a background thread.
 
+`server` (default settings) and `schemas` (OpenAPI validators) are package-scoped: the
+test_server_* modules share one server instead of starting one each. A module that needs other
+settings defines its own `server`, which takes precedence; a test that changes the shared one's
+state puts it back.
+
 The tokenizer is the bundled SmolLM2 conversion's (vocabulary 49152, eos id 2, ChatML template);
 the model is one layer of width 32 over that vocabulary, so a step takes about a millisecond.
 """
@@ -24,10 +29,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.engine import LLMEngine
+from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.connections import uvicorn_config
 from server.settings import Settings
 from tests.conftest import build_tiny_model
+from tests.e2e.server_helpers import SCHEMA_NAMES, server_settings
+from tests.openapi_spec import spec_schemas, validators
 
 T = TypeVar("T")
 TOKENIZER_FILES = (
@@ -192,3 +200,17 @@ def wait_idle(live: LiveServer, timeout_s: float = 20.0) -> dict[str, Any]:
         time.sleep(0.02)
         state = live.call(engine_state)
     return state
+
+
+@pytest.fixture(scope="package")
+def server(tiny_chat_model) -> Iterator[LiveServer]:
+    """The default-settings server (engine loaded by the app's lifespan) that the test_server_*
+    modules share."""
+    with live_server(create_app(server_settings(tiny_chat_model))) as live:
+        yield live
+
+
+@pytest.fixture(scope="package")
+def schemas() -> dict[str, Any]:
+    """Validators for SCHEMA_NAMES from the official OpenAPI spec (read once: it is large)."""
+    return validators(SCHEMA_NAMES, spec_schemas())

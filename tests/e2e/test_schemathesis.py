@@ -8,7 +8,7 @@ types match the spec, and invalid bodies are rejected with a 4xx.
 What the spec is narrowed to, and why (each is a documented server choice, not a bug):
 - `model` is pinned to the served name (any other name is a 404 by design).
 - `stream` is forced to false and `stream_options` dropped: an SSE body is not JSON, and the
-  streaming path has its own spec-validated tests in test_server.py.
+  streaming path has its own spec-validated tests in test_server_api.py.
 - `max_tokens`, `max_completion_tokens` and `n` are capped to small values when the spec allows
   the generated value, so generation stays fast; out-of-range values are sent unchanged.
 - Request properties the server does not read (e.g. `metadata`, `store`, `service_tier`, and in

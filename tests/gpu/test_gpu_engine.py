@@ -130,7 +130,7 @@ def test_aborts_at_every_stage_leak_no_block(gpu_target, gpu_draft, device, setu
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     got = [engine_trace(o.outputs[0]) for o in llm.generate(PROMPTS, greedy)]
     _assert_idle(engine)
-    assert engine.block_manager.prefix_cache_hits > 0
+    assert engine.scheduler.num_prefix_cache_hits > 0
     fresh = LLM(str(gpu_target), **setup.engine_kwargs(device))
     expected: list[Trace] = [engine_trace(o.outputs[0]) for o in fresh.generate(PROMPTS, greedy)]
     assert_same_greedy(expected, got, setup.tolerance, f"after aborts on {setup.id}")

@@ -100,7 +100,7 @@ def test_greedy_matches_transformers(model_and_reference, scenario):
     if scenario == "one_at_a_time":
         assert running_at_once == 1
         # The repeated prompt and the shared prefix were served from the prefix cache.
-        assert bm.prefix_cache_hits >= 16 + 16
+        assert llm.engine.scheduler.num_prefix_cache_hits >= 16 + 16
     else:
         assert running_at_once > 1
     if scenario == "chunked_prefill":
@@ -115,7 +115,7 @@ def test_greedy_matches_transformers(model_and_reference, scenario):
     if scenario == "preemption":
         assert llm.engine.scheduler.num_preemptions_total > 0
     if scenario == "no_prefix_caching":
-        assert bm.prefix_cache_hits == 0
+        assert llm.engine.scheduler.num_prefix_cache_hits == 0
 
 
 def test_one_request_alone_equals_batched(tiny_llama):

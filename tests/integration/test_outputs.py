@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import copy
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.outputs import RequestOutput
+from tests.conftest import ngram_llm
 
-NGRAM = {"method": "ngram", "mode": "always", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 PROMPT = [7, 8, 9, 10, 11] * 6  # repetitive: the n-gram drafts are accepted, steps add several
 PARAMS = SamplingParams(n=2, temperature=0, max_tokens=48, logprobs=2, ignore_eos=True)
-
-
-def _llm(tiny_llama) -> LLM:
-    return LLM(
-        str(tiny_llama),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=128,
-        max_model_len=256,
-        speculative_config=NGRAM,
-    )
 
 
 def _counters(stats) -> tuple:
@@ -36,7 +25,7 @@ def _counters(stats) -> tuple:
 
 
 def test_step_outputs_are_deltas_that_add_up_to_the_offline_output(tiny_llama):
-    engine = _llm(tiny_llama).engine
+    engine = ngram_llm(tiny_llama).engine
     engine.add_request("r", PROMPT, PARAMS)
     requests = engine._groups["r"].requests
     outputs: list[tuple[RequestOutput, RequestOutput]] = []  # (as returned, a copy taken then)
@@ -56,7 +45,7 @@ def test_step_outputs_are_deltas_that_add_up_to_the_offline_output(tiny_llama):
     sizes = [len(o.outputs[0].token_ids) for o, _ in outputs]
     assert max(sizes) > 1 and sum(sizes) == PARAMS.max_tokens and len(sizes) < PARAMS.max_tokens
 
-    (whole,) = _llm(tiny_llama).generate([PROMPT], PARAMS)
+    (whole,) = ngram_llm(tiny_llama).generate([PROMPT], PARAMS)
     assert whole.finished and [c.index for c in whole.outputs] == [0, 1]
     for c in whole.outputs:
         deltas = [o.outputs[c.index] for o, _ in outputs]

@@ -21,7 +21,7 @@ from server.metrics import (
     read_snapshot,
     render,
 )
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, ngram_llm
 
 # ----------------------------------------------------------------------------- plain stats
 
@@ -151,25 +151,8 @@ def test_counts_after_a_known_workload(tiny_llama) -> None:
     assert m.draft_time.count == m.verify_time.count == 0  # no speculation configured
 
 
-def _spec_llm(tiny_llama) -> LLM:
-    config = {
-        "method": "ngram",
-        "mode": "always",  # a fixed K: the auto policy's choices depend on measured times
-        "num_speculative_tokens": 3,
-        "prompt_lookup_min": 1,
-    }
-    return LLM(
-        str(tiny_llama),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=128,
-        max_model_len=256,
-        speculative_config=config,
-    )
-
-
 def test_speculation_counts_reconcile(tiny_llama) -> None:
-    llm = _spec_llm(tiny_llama)
+    llm = ngram_llm(tiny_llama)
     engine = llm.engine
     repetitive = [7, 8, 9, 10, 11] * 6
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -219,7 +202,7 @@ def _greedy() -> dict:
 
 
 def test_series_and_log_line_follow_the_engine(tiny_llama) -> None:
-    llm = _spec_llm(tiny_llama)
+    llm = ngram_llm(tiny_llama)
     engine = llm.engine
     first = read_snapshot(engine)
     engine.add_request("r", [7, 8, 9, 10, 11] * 6, SamplingParams(max_tokens=20, **_greedy()))
