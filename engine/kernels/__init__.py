@@ -13,7 +13,8 @@ same per-row arithmetic as AVX2; SPECSERVE_CPU_ISA=avx2 keeps everything on AVX2
 
 The extension is built with torch's C++ extension tooling the first time a process needs it
 (a C++ compiler and ninja; about a minute), under <cache root>/kernels/, keyed by the source,
-torch's version and Python's, so later starts load it in a fraction of a second. Where it cannot
+torch's version and Python's (and apart per checkout: `build_directory`), so later starts load it
+in a fraction of a second. Where it cannot
 be had — not x86-64, no AVX2/FMA, no compiler, SPECSERVE_CPU_KERNELS=0 — `cpu_kernels()` is
 None and the model uses torch's kernels; the reason is logged once.
 """
@@ -112,13 +113,21 @@ def speed_signature() -> str:
     return f"{build_key()} bf16:{module.cpu_isa()} gguf:{module.quant_isa()}"
 
 
+def build_directory(root: Path, source_dir: Path) -> Path:
+    """Where the build lives: by its key, and apart per checkout. The build's commands name the
+    sources by their absolute paths, so two checkouts sharing one directory would rebuild each
+    other's build at every start."""
+    where = hashlib.sha256(str(source_dir.resolve()).encode()).hexdigest()[:8]
+    return root / "kernels" / f"{build_key()}-{where}"
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     from engine.models.bundled import cache_root
 
     key = build_key()
-    build_dir = cache_root() / "kernels" / key
+    build_dir = build_directory(cache_root(), _SOURCES[0].parent)
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # torch's builder marks a build in progress with a plain `lock` file that a killed process

@@ -301,3 +301,12 @@ def test_every_kernel_releases_the_gil():
     assert "call_guard<pybind11::gil_scoped_release>" in source
     for name, binding in zip(names, bindings, strict=True):
         assert "kFree" in binding.split(");")[0], f"{name} is bound without releasing the GIL"
+
+
+def test_each_checkout_builds_apart(tmp_path):
+    """The build's commands hold its sources' absolute paths: two checkouts sharing a cache must
+    not rebuild each other's build, so each gets its own directory (the same one every time)."""
+    one, other = tmp_path / "one" / "kernels", tmp_path / "other" / "kernels"
+    assert kernels.build_directory(tmp_path, one) == kernels.build_directory(tmp_path, one)
+    assert kernels.build_directory(tmp_path, one) != kernels.build_directory(tmp_path, other)
+    assert kernels.build_directory(tmp_path, one).name.startswith(kernels.build_key())
