@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import LLMEngine
+from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
     INVALID_REQUEST,
@@ -78,6 +79,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.created = int(time.time())
     state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
     app.include_router(router)
+    app.include_router(admin_router)
     _add_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
