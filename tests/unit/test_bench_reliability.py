@@ -109,13 +109,15 @@ def test_mismatches_name_the_first_difference():
 
 
 def test_fuzz_bodies_pin_the_model_and_cap_generation():
-    body = {"model": "gpt-4", "messages": [], "max_tokens": 500, "n": 7, "stream": True}
-    edited = F.prepare(body, "served")
+    body = {"model": "gpt-4", "messages": [], "max_tokens": 500, "n": 7, "stream": False}
+    edited = F.prepare(body, "served", True)
     assert edited == {"model": "served", "messages": [], "max_tokens": 4, "n": 2, "stream": True}
     assert body["model"] == "gpt-4"  # a copy
-    assert F.prepare({"model": "x", "max_tokens": -3}, "s")["max_tokens"] == -3
-    assert F.prepare({"model": "x"}, "s")["max_tokens"] == F.MAX_NEW_TOKENS
-    assert F.prepare(["not", "an", "object"], "s") == ["not", "an", "object"]
+    assert F.prepare({"model": "x", "max_tokens": -3}, "s", False)["max_tokens"] == -3
+    assert F.prepare({"model": "x"}, "s", True)["max_tokens"] == F.MAX_NEW_TOKENS
+    assert F.prepare({"model": "x"}, "s", True)["stream"] is True
+    assert F.prepare({"model": "x", "stream": "yes"}, "s", True)["stream"] == "yes"
+    assert F.prepare(["not", "an", "object"], "s", True) == ["not", "an", "object"]
 
 
 def test_verdicts_fail_on_a_dirty_engine_and_report_rss_as_a_target():
