@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -225,10 +226,13 @@ async def run_soak(server: Server, settings: BenchSettings, specs: list[RequestS
     start = time.perf_counter()
     end = start + duration
 
-    async def sample() -> None:
-        while time.perf_counter() < end:
+    is_done = asyncio.Event()
+
+    async def sample() -> None:  # until the last request ends, not only until `end`
+        while not is_done.is_set():
             samples.append((time.perf_counter() - start, rss_kib(server.pid)))
-            await asyncio.sleep(min(settings.rss_interval, max(0.0, end - time.perf_counter())))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(is_done.wait(), settings.rss_interval)
 
     async def client_loop(client: Any) -> None:
         while time.perf_counter() < end:
@@ -236,8 +240,12 @@ async def run_soak(server: Server, settings: BenchSettings, specs: list[RequestS
             plan = draw_cancel(rng, settings.cancel_fraction, settings.max_cancel_delay)
             results.append(await stream_one(client, specs[index], index, server.model, plan))
 
+    async def clients(client: Any) -> None:
+        await asyncio.gather(*(client_loop(client) for _ in range(settings.concurrency)))
+        is_done.set()
+
     async with server.client(settings.concurrency) as client:
-        await asyncio.gather(sample(), *(client_loop(client) for _ in range(settings.concurrency)))
+        await asyncio.gather(sample(), clients(client))
         idle = await read_idle(client, settings.idle_timeout)
     samples.append((time.perf_counter() - start, rss_kib(server.pid)))  # at rest, after it all
     baseline_at = min(60.0, duration / 3)
