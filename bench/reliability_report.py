@@ -98,7 +98,8 @@ def report(results: Any, checks: list[dict[str, Any]]) -> str:
     if results.fuzz is not None:
         f = results.fuzz
         lines.append(
-            f"fuzz: {f.num_cases} cases in {f.seconds:.0f} s ({f.num_streamed} streamed 200s), "
+            f"fuzz: {f.num_cases} cases in {f.seconds:.0f} s ({f.num_streamed} streamed 200s, "
+            f"{f.num_cut_short} of them cut short by schemathesis), "
             f"statuses {f.statuses}"
         )
     lines += ["", "| part | check | value | target | held |", "|---|---|---|---|---|"]
