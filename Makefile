@@ -7,7 +7,8 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers clean
+.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers \
+	bench-reliability clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +85,14 @@ bench-policy: $(VENV)/.models $(VENV)/.bench
 # ARGS="--engines specserve,llama.cpp-bf16" re-runs a subset.
 bench-peers: $(VENV)/.models
 	$(PY) bench/peers.py $(ARGS)
+
+# Reliability against `specserve serve` on SmolLM2-135M (float32, n-gram speculation): 1,000
+# streams at c=32 with 30% cancelled under a KV pool that preempts, then the gauges, the block
+# manager's integrity check and every completed output against its solo run; a 10-minute soak's
+# RSS growth; 1,600 schemathesis cases counting 5xx (bench/reliability.py; about 30 min on 2 CPU
+# cores). Writes bench/results/reliability.json. ARGS=--short: the same at small scale.
+bench-reliability: $(VENV)/.installed
+	$(PY) bench/reliability.py $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'

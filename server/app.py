@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import LLMEngine
+from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
     INVALID_REQUEST,
@@ -92,6 +93,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
     state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
     app.include_router(router)
+    app.include_router(admin_router)
     _add_error_handlers(app)
     app.add_middleware(
         BodyLimitMiddleware,
