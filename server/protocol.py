@@ -39,6 +39,7 @@ from server.request_checks import (
     check_stop,
     check_text_parts,
     fail,
+    reject_null,
     reject_unsupported,
 )
 from server.request_limits import RequestLimits, limits_of, num_sequences_error
@@ -102,6 +103,11 @@ class ChatMessage(BaseModel):
         if role in ("tool", "function"):
             raise fail(f"role {role!r} is not supported (no tool calling)", "unsupported_value")
         return role
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_null(value, info)
 
     @field_validator("tool_calls", "function_call")
     @classmethod
@@ -180,6 +186,11 @@ class _RequestBase(BaseModel):
             raise fail(f"must be at most {N_MAX}")
         return n
 
+    @field_validator("user", mode="before", check_fields=False)
+    @classmethod
+    def _user_not_null(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_null(value, info)
+
     @field_validator(*_UNSUPPORTED, check_fields=False)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
@@ -245,6 +256,11 @@ class ChatCompletionRequest(_RequestBase):
     stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool | None = None
     speculation: SpeculationOptions | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_null(value, info)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -31,6 +31,13 @@ def reject_unsupported(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def reject_null(value: Any, info: ValidationInfo) -> Any:
+    """For fields the OpenAI spec types without null: an explicit null is a 400 (leave it out)."""
+    if value is None:
+        raise fail(f"{info.field_name} must not be null; leave it out instead")
+    return value
+
+
 def check_text_parts(value: Any) -> Any:
     """A string, or a non-empty list of {"type": "text", "text": str} parts."""
     if value is None or isinstance(value, str):
