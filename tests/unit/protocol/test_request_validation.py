@@ -93,7 +93,11 @@ CHAT_CASES = [
     ("format-unknown", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("format-null", {"response_format": None}, "response_format"),
     ("user-null", {"user": None}, "user"),
-    ("name-null", {"messages": [{"role": "user", "content": "hi", "name": None}]}, "messages.0.name"),
+    (
+        "name-null",
+        {"messages": [{"role": "user", "content": "hi", "name": None}]},
+        "messages.0.name",
+    ),
     ("logit-bias-key", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit-bias-unicode-digit", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),
     ("logit-bias-range", {"logit_bias": {"5": 101}}, "logit_bias"),
