@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -59,7 +58,7 @@ from policy_workload import (  # noqa: E402
     speculating_share,
     summarize_level,
 )
-from processes import free_port, running, wait_ready  # noqa: E402
+from processes import serving  # noqa: E402
 
 logger = logging.getLogger("bench.policy")
 
@@ -116,16 +115,8 @@ def server_config(
 @contextlib.contextmanager
 def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[str]:
     """Start `specserve serve` on `config`, yield its base URL once /health is 200, stop it."""
-    with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
-        config_path, log_path = Path(tmp) / "config.yaml", Path(tmp) / "server.log"
-        config_path.write_text(yaml.safe_dump(config))
-        port = free_port()
-        command = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
-        command += ["--port", str(port), "--log-level", "warning"]
-        with running(command, log_path) as proc:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(f"{url}/health", proc, log_path, startup_timeout)
-            yield url
+    with serving(config, startup_timeout) as (url, _, _):
+        yield url
 
 
 # --------------------------------------------------------------------------- the clients

@@ -1,6 +1,6 @@
 """Child processes for the scripts that drive a real server (bench/policy.py,
-deploy/grafana/render_dashboard.py): a free port, a process stopped on the way out, and a wait
-until it answers."""
+bench/reliability.py, deploy/grafana/render_dashboard.py): a free port, a process stopped on the
+way out, a wait until it answers, and `specserve serve` on a config."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import contextlib
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +59,22 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout:
                 return
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s (log: {log_path})")
+
+
+@contextlib.contextmanager
+def serving(
+    config: dict[str, Any], startup_timeout: float, prefix: str = "specserve-bench-"
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """`specserve serve` on `config` (a config file's dict) on a free port: its base URL, process
+    and log path once /health is 200; stopped on the way out. The config and log live in a
+    temporary directory named with `prefix`."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        config_path, log_path = Path(tmp) / "config.yaml", Path(tmp) / "server.log"
+        config_path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        command = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
+        command += ["--port", str(port), "--log-level", "warning"]
+        with running(command, log_path) as proc:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(f"{url}/health", proc, log_path, startup_timeout)
+            yield url, proc, log_path

@@ -8,17 +8,14 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from policy_workload import parse_prometheus
-from processes import free_port, running, wait_ready
+from processes import serving
 
 RUNNING = "specserve:num_requests_running"
 WAITING = "specserve:num_requests_waiting"
@@ -93,17 +90,9 @@ def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[S
     kept in a temporary directory; its tail is raised if the server dies at start-up."""
     key = "sk-reliability-" + secrets.token_hex(8)
     config = {**config, "server": {**config["server"], "api_key": key}}
-    with tempfile.TemporaryDirectory(prefix="specserve-reliability-") as tmp:
-        config_path, log_path = Path(tmp) / "config.yaml", Path(tmp) / "server.log"
-        config_path.write_text(yaml.safe_dump(config))
-        port = free_port()
-        command = [sys.executable, "-m", "server.cli", "serve", "--config", str(config_path)]
-        command += ["--port", str(port), "--log-level", "warning"]
-        with running(command, log_path) as proc:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(f"{url}/health", proc, log_path, startup_timeout)
-            headers = {"Authorization": f"Bearer {key}"}
-            yield Server(url, proc.pid, config["server"]["served_model_name"], headers, log_path)
+    with serving(config, startup_timeout, "specserve-reliability-") as (url, proc, log_path):
+        headers = {"Authorization": f"Bearer {key}"}
+        yield Server(url, proc.pid, config["server"]["served_model_name"], headers, log_path)
 
 
 def metric(series: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:

@@ -59,14 +59,15 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def ngram_llm(model_path: Path) -> LLM:
+def ngram_llm(model_path: Path, mode: str = "always") -> LLM:
     """An offline LLM over a tiny model that drafts 3 tokens by n-gram lookup in every step (a
-    one-token match is enough): float32, 4-token blocks, a 256-token context."""
+    one-token match is enough; `mode` "always" by default): float32, 4-token blocks, a 256-token
+    context."""
     from engine import LLM
 
     config = {
         "method": "ngram",
-        "mode": "always",  # a fixed K: the auto policy's choices depend on measured times
+        "mode": mode,  # "always", a fixed K: the auto policy's choices follow measured times
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 1,
     }

@@ -19,17 +19,11 @@ from typing import Any
 import pytest
 
 from tests.openapi_spec import SPEC_PATH
-from tests.unit.bench_scripts import load_bench_script
+from tests.unit.bench_scripts import load_reliability
 
 pytest.importorskip("schemathesis")
 
-R, W, S, F, RR = load_bench_script(
-    "reliability.py",
-    "reliability_workload",
-    "reliability_server",
-    "reliability_fuzz",
-    "reliability_report",
-)
+R, W, S, F, RR = load_reliability()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
-from tests.conftest import TINY_VOCAB, build_tiny_model
+from tests.conftest import TINY_VOCAB, build_tiny_model, ngram_llm
 
 
 @pytest.fixture(scope="module")
@@ -227,15 +227,7 @@ def test_randomized_workload_never_leaks(tiny_qwen2, tmp_path, spec):
 def test_mode_off_decides_every_decoding_step_without_a_lookup(tiny_llama, monkeypatch):
     """With speculation off, each decoding step of each request is one mode_off decision, and
     no n-gram lookup runs for it (the decision needs no draft)."""
-    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    llm = LLM(
-        str(tiny_llama),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=128,
-        max_model_len=256,
-        speculative_config={**config, "mode": "off"},
-    )
+    llm = ngram_llm(tiny_llama, mode="off")
     lookup = llm.engine.speculator.chain[0]
     monkeypatch.setattr(lookup, "propose", lambda *a: pytest.fail("a lookup ran in mode off"))
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7]  # every suffix recurs: a lookup would always draft

@@ -25,3 +25,9 @@ def load_bench_script(filename: str, *companions: str) -> tuple[ModuleType, ...]
         while str(BENCH) in sys.path:
             sys.path.remove(str(BENCH))
     return (module, *(sys.modules[c] for c in companions))
+
+
+def load_reliability() -> tuple[ModuleType, ...]:
+    """bench/reliability.py and its parts: (reliability, workload, server, fuzz, report)."""
+    parts = ("workload", "server", "fuzz", "report")
+    return load_bench_script("reliability.py", *(f"reliability_{part}" for part in parts))

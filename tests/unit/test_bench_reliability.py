@@ -10,15 +10,9 @@ import random
 
 import httpx
 
-from tests.unit.bench_scripts import load_bench_script
+from tests.unit.bench_scripts import load_reliability
 
-R, W, S, F, RR = load_bench_script(
-    "reliability.py",
-    "reliability_workload",
-    "reliability_server",
-    "reliability_fuzz",
-    "reliability_report",
-)
+R, W, S, F, RR = load_reliability()
 
 
 def _sse(chunks: list[dict], done: bool = True) -> bytes:

@@ -3,6 +3,8 @@ content, LRU eviction of cached blocks, and turning the cache off or resetting i
 
 from __future__ import annotations
 
+import pytest
+
 from engine.block_manager import BlockManager
 from tests.unit.block_manager_helpers import BS, run_request, token_range
 
@@ -41,21 +43,17 @@ def test_prefix_hit_while_owner_running_shares_blocks() -> None:
     assert (bm.num_used_blocks, bm.num_cached_blocks) == (0, 3)
 
 
-def test_hashes_are_chained_by_position_and_prefix() -> None:
-    bm = BlockManager(num_blocks=8, block_size=BS)
-    block_x = [1, 2, 3, 4]
-    run_request(bm, "a", [9, 9, 9, 9] + block_x + [0])
-    bm.free("a")
-    # Same block tokens at position 0 (no prefix) and after another prefix: no hit.
-    assert bm.get_computed_blocks(block_x + [0]) == ([], 0)
-    assert bm.get_computed_blocks([8, 8, 8, 8] + block_x + [0]) == ([], 0)
-    assert bm.get_computed_blocks([9, 9, 9, 9] + block_x + [0])[1] == 8
-
-
-def test_unchained_hash_fn_still_cannot_hit_at_wrong_position() -> None:
-    # A hash that ignores the parent makes block contents collide across positions; the parent
-    # check must still turn those into misses.
-    bm = BlockManager(num_blocks=8, block_size=BS, hash_fn=lambda parent, tokens: hash(tokens))
+@pytest.mark.parametrize(
+    "hash_fn",
+    [None, lambda parent, tokens: hash(tokens)],
+    ids=["chained", "unchained-hash"],
+)
+def test_hashes_are_chained_by_position_and_prefix(hash_fn) -> None:
+    """Same block tokens at position 0 (no prefix) and after another prefix: no hit. With a hash
+    that ignores the parent (block contents collide across positions) the parent check must
+    still turn those into misses."""
+    extra = {} if hash_fn is None else {"hash_fn": hash_fn}
+    bm = BlockManager(num_blocks=8, block_size=BS, **extra)
     block_x = [1, 2, 3, 4]
     run_request(bm, "a", [9, 9, 9, 9] + block_x + [0])
     bm.free("a")
