@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -32,9 +34,13 @@ def test_nvml_reports_a_busy_gpu() -> None:
     assert 0.0 <= idle <= 1.0
     x = torch.randn(8192, 8192, device="cuda")
     busy = 0.0
-    for _ in range(50):  # keep the GPU busy across NVML's sample period
-        x = x @ x
-        x = x / x.norm()
+    # Kernel launches return at once: wait for each product, and keep the GPU busy for a few of
+    # NVML's sample periods (1/6 s to 1 s, by GPU) while reading it.
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and busy <= 0.5:
+        for _ in range(4):
+            x = x @ x
+            x = x / x.norm()
+        torch.cuda.synchronize()
         busy = max(busy, monitor.utilization(0))
-    torch.cuda.synchronize()
     assert busy > 0.5
