@@ -36,6 +36,7 @@ from engine.speculation.speculator import (
     shadow_result,
 )
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
+from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import encode_text, eos_token_ids
 from engine.verifier import StepTokens, Verifier
 
@@ -100,6 +101,13 @@ class LLMEngine:
         # Every draft position from the start, so its series exist before the first acceptance.
         self.spec_stats = SpecStats(accepted_per_pos=[0] * self.speculator.num_tokens)
         self.policy_stats = PolicyStats()
+        # Structured outputs compile against the tokenizer (none without one); the server
+        # compiles off the engine thread through this same cache.
+        self.grammars = (
+            GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            if self.tokenizer is not None
+            else None
+        )
         self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
         # Seeds for requests that bring none: reproducible from the engine's own seed.

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from engine.structured.spec import StructuredOutput
+
 # Seeds are fed to torch.Generator.manual_seed, which takes a 64-bit value.
 _MAX_SEED = 2**64 - 1
 _MAX_LOGPROBS = 20
@@ -51,6 +53,8 @@ class SamplingParams:
     # Speculation controls (the `speculation` API extension): opt out, or cap the draft length.
     speculate: bool = True
     max_draft_tokens: int | None = None
+    # A constraint the output must match (JSON schema, JSON object, tagged tool calls).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise container fields so that the object is hashable-ish and truly immutable.
@@ -94,6 +98,8 @@ class SamplingParams:
             fail("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}.")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             fail("max_draft_tokens", f"must be at least 0, got {self.max_draft_tokens}.")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            fail("structured", "must be a StructuredOutput.")
         if any(not s for s in self.stop):
             fail("stop", "must not contain empty strings.")
         if any(t < 0 for t in self.stop_token_ids):
