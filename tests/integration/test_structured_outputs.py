@@ -167,7 +167,22 @@ def test_greedy_output_is_identical_with_every_proposer(chat_model, draft_model)
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "off"])
 def test_sampled_output_is_schema_valid(chat_model, draft_model, name: str) -> None:
+    """And every draft is within the grammar when it is verified: lookups are cut, the draft
+    model samples under the grammar's mask, forced text is allowed by construction."""
     llm = _llm(chat_model, CONFIGS[name], draft_model)
+    speculator = llm.engine.speculator
+    propose, num_checked = speculator.propose, [0]
+
+    def checked_propose(schedule):
+        drafts = propose(schedule)
+        for s in schedule.scheduled:
+            draft = drafts.get(s.request.request_id)
+            if draft is not None:
+                assert s.request.grammar.num_allowed(draft.token_ids) == len(draft.token_ids)
+                num_checked[0] += 1
+        return drafts
+
+    speculator.propose = checked_propose
     params = [_params(s, temperature=1.0, n=4, seed=11 + i) for i, s in enumerate(SCHEMAS)]
     outputs = _generate(llm, params)
     for completions, schema in zip(outputs, SCHEMAS, strict=True):
@@ -175,7 +190,7 @@ def test_sampled_output_is_schema_valid(chat_model, draft_model, name: str) -> N
         for _, text, reason in completions:
             assert reason == "stop", text
             jsonschema.validate(json.loads(text), schema)
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.spec_stats.num_accepted_tokens > 0 and num_checked[0] > 0
 
 
 def test_json_object_and_options_inside_a_grammar(chat_model) -> None:
