@@ -11,6 +11,7 @@ kept).
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -22,6 +23,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.structured.masks import mask_width
+from engine.structured.schema_check import schemas_in_structural_tag, unenforced_keyword
 from engine.structured.spec import StructuredOutput
 
 # Distinct constraints kept compiled (a compiled grammar is kilobytes to a few megabytes).
@@ -123,7 +125,19 @@ def _without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int) -> t
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
 
 
+def _check_enforceable(structured: StructuredOutput) -> None:
+    if structured.kind == "json_object":
+        return
+    value = json.loads(structured.spec)
+    schemas = [value] if structured.kind == "json_schema" else schemas_in_structural_tag(value)
+    for schema in schemas:
+        found = unenforced_keyword(schema)
+        if found:
+            raise ValueError(f"it uses {found}, which structured outputs cannot enforce")
+
+
 def _compile(compiler: Any, structured: StructuredOutput) -> Any:
+    _check_enforceable(structured)
     if structured.kind == "json_object":
         # Any object; non-strict, so that its keys are free.
         return compiler.compile_json_schema(
