@@ -61,6 +61,7 @@ from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
 from server.tokenization import PromptTokenizer, copies
+from server.tokenize_routes import tokenize_router
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
     state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
     app.include_router(router)
+    app.include_router(tokenize_router)
     app.include_router(admin_router)
     _add_error_handlers(app)
     app.add_middleware(

@@ -17,10 +17,16 @@ engine rejects. Mappings that are not one-to-one:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast, overload
 
 from engine.sampling_params import SamplingParams
-from server.protocol import ChatCompletionRequest, CompletionRequest, SpeculationOptions
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SpeculationOptions,
+)
 
 _SEED_MODULUS = 2**64
 
@@ -87,21 +93,27 @@ def prompt_of(
     as plain dicts). Completions: one entry per prompt, text or token ids (a flat id list is ONE
     prompt). The route submits each completions prompt as its own engine request."""
     if isinstance(req, ChatCompletionRequest):
-        return [
-            {
-                "role": m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else [part.model_dump(include={"type", "text"}) for part in m.content or []],
-            }
-            for m in req.messages
-        ]
+        return messages_of(req.messages)
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt[0], int):
         return [cast(list[int], list(prompt))]
     return cast(list[str] | list[list[int]], list(prompt))
+
+
+def messages_of(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages as `engine.tokenizer.apply_chat_template` takes them: role + text
+    content (a string, or its parts as plain dicts)."""
+    return [
+        {
+            "role": m.role,
+            "content": m.content
+            if isinstance(m.content, str)
+            else [part.model_dump(include={"type", "text"}) for part in m.content or []],
+        }
+        for m in messages
+    ]
 
 
 def prediction_of(req: ChatCompletionRequest) -> str | None:

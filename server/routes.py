@@ -173,13 +173,18 @@ async def completions(request: Request) -> Response:
 # --------------------------------------------------------------------------- helpers
 
 
-async def _parse(request: Request, model: type[RequestT]) -> RequestT:
-    """The validated body: JSON object of the endpoint's schema, for the served model."""
+async def json_body(request: Request) -> bytes:
+    """The raw body, once its Content-Type says JSON (a body without one is taken as JSON)."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
         message = f"Content-Type must be application/json, got {content_type!r}."
         raise invalid_request(message, code="invalid_content_type")
-    req = parse_request(model, await request.body(), request.app.state.limits)
+    return await request.body()
+
+
+async def _parse(request: Request, model: type[RequestT]) -> RequestT:
+    """The validated body: JSON object of the endpoint's schema, for the served model."""
+    req = parse_request(model, await json_body(request), request.app.state.limits)
     if req.model != request.app.state.settings.model_name:
         raise model_not_found(req.model)
     extra = unknown_fields(req)
