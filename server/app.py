@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import LLMEngine
+from engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
@@ -86,6 +87,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
     state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
+    state.generation_defaults = GenerationDefaults()  # the model's sampling defaults, once read
     state.load_error = None
     state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
@@ -218,6 +220,9 @@ async def _log_stats(app: FastAPI, interval: float) -> None:
 
 
 def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
+    if app.state.settings.generation_config == "auto":  # first: a bad file starts nothing
+        model_dir = async_engine.engine.model_config.path
+        app.state.generation_defaults = load_generation_defaults(model_dir)
     # Before the engine thread starts: the copies are made while nothing else uses the tokenizer,
     # and from then on each thread has its own (the loop's token texts, the prompt tokenizer's
     # thread, the engine's detokenizer).

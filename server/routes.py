@@ -125,7 +125,7 @@ async def chat_completions(request: Request) -> Response:
     state = request.app.state
     req = await _parse(request, ChatCompletionRequest)
     engine = _serving_engine(request)
-    params = _sampling_params(req)
+    params = _sampling_params(request, req)
     tokenizer: PromptTokenizer | None = state.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
@@ -153,7 +153,7 @@ async def completions(request: Request) -> Response:
     state = request.app.state
     req = await _parse(request, CompletionRequest)
     engine = _serving_engine(request)
-    params = _sampling_params(req)
+    params = _sampling_params(request, req)
     prompts = prompt_of(req)
     # Completions always have a max_tokens: counting them needs no prompt length.
     _check_tokens(request, engine, params, [0] * len(prompts), "max_tokens")
@@ -205,9 +205,12 @@ def _serving_engine(request: Request) -> AsyncEngine:
     return engine
 
 
-def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def _sampling_params(
+    request: Request, req: ChatCompletionRequest | CompletionRequest
+) -> SamplingParams:
+    defaults = request.app.state.generation_defaults  # the model's (server/app.py)
     try:
-        return to_sampling_params(req, default_max_tokens=None)
+        return to_sampling_params(req, default_max_tokens=None, defaults=defaults)
     except ValueError as e:
         raise from_value_error(e, type(req).model_fields) from None
 
