@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import LLMEngine
+from engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
@@ -62,6 +63,7 @@ from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
 from server.tokenization import PromptTokenizer, copies
+from server.tokenize_routes import tokenize_router
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.tokens = None  # the TokenDecoder of the served tokenizer
     state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
     state.grammar_worker = None  # compiles structured-output grammars (None: no tokenizer)
+    state.generation_defaults = GenerationDefaults()  # the model's sampling defaults, once read
     state.load_error = None
     state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
@@ -95,6 +98,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
     state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
     app.include_router(router)
+    app.include_router(tokenize_router)
     app.include_router(admin_router)
     _add_error_handlers(app)
     app.add_middleware(
@@ -220,6 +224,9 @@ async def _log_stats(app: FastAPI, interval: float) -> None:
 
 
 def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
+    if app.state.settings.generation_config == "auto":  # first: a bad file starts nothing
+        model_dir = async_engine.engine.model_config.path
+        app.state.generation_defaults = load_generation_defaults(model_dir)
     # Before the engine thread starts: the copies are made while nothing else uses the tokenizer,
     # and from then on each thread has its own (the loop's token texts, the prompt tokenizer's
     # thread, the engine's detokenizer).

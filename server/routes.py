@@ -126,7 +126,7 @@ async def chat_completions(request: Request) -> Response:
     state = request.app.state
     req = await _parse(request, ChatCompletionRequest)
     engine = _serving_engine(request)
-    params = _sampling_params(req)
+    params = _sampling_params(request, req)
     tokenizer: PromptTokenizer | None = state.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
@@ -155,7 +155,7 @@ async def completions(request: Request) -> Response:
     state = request.app.state
     req = await _parse(request, CompletionRequest)
     engine = _serving_engine(request)
-    params = _sampling_params(req)
+    params = _sampling_params(request, req)
     await _compile(request, params)
     prompts = prompt_of(req)
     # Completions always have a max_tokens: counting them needs no prompt length.
@@ -176,13 +176,18 @@ async def completions(request: Request) -> Response:
 # --------------------------------------------------------------------------- helpers
 
 
-async def _parse(request: Request, model: type[RequestT]) -> RequestT:
-    """The validated body: JSON object of the endpoint's schema, for the served model."""
+async def json_body(request: Request) -> bytes:
+    """The raw body, once its Content-Type says JSON (a body without one is taken as JSON)."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
         message = f"Content-Type must be application/json, got {content_type!r}."
         raise invalid_request(message, code="invalid_content_type")
-    req = parse_request(model, await request.body(), request.app.state.limits)
+    return await request.body()
+
+
+async def _parse(request: Request, model: type[RequestT]) -> RequestT:
+    """The validated body: JSON object of the endpoint's schema, for the served model."""
+    req = parse_request(model, await json_body(request), request.app.state.limits)
     if req.model != request.app.state.settings.model_name:
         raise model_not_found(req.model)
     extra = unknown_fields(req)
@@ -203,9 +208,12 @@ def _serving_engine(request: Request) -> AsyncEngine:
     return engine
 
 
-def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def _sampling_params(
+    request: Request, req: ChatCompletionRequest | CompletionRequest
+) -> SamplingParams:
+    defaults = request.app.state.generation_defaults  # the model's (server/app.py)
     try:
-        return to_sampling_params(req, default_max_tokens=None)
+        return to_sampling_params(req, default_max_tokens=None, defaults=defaults)
     except ValueError as e:
         raise from_value_error(e, type(req).model_fields) from None
 

@@ -145,6 +145,14 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
         bool,
         Field(description="add speculative_decoding_stats to every choice (else per request)"),
     ] = False
+    generation_config: Annotated[
+        Literal["auto", "none"],
+        Field(
+            description="auto: a request that leaves out temperature, top_p, top_k, min_p or "
+            "repetition_penalty gets the model's generation_config.json value (else OpenAI's "
+            "default); none: OpenAI's defaults only",
+        ),
+    ] = "auto"
     log_level: Annotated[LogLevel, Field(description="critical, error, warning, info or debug")] = (
         "info"
     )

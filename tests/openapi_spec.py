@@ -1,7 +1,8 @@
 """The official OpenAI spec for the tests: where it is, and its schemas as JSON Schema.
 
-`../shared/openai/openapi.yaml` beside the repository (or $SPECSERVE_OPENAPI). The spec is
-OpenAPI 3.1 with `nullable: true` in places; `to_json_schema` resolves `$ref`s and rewrites it.
+The spec is vendored in tests/data/openai/ (MIT, see its LICENSE and README);
+$SPECSERVE_OPENAPI points the tests at another copy. It is OpenAPI 3.1 with `nullable: true` in
+places; `to_json_schema` resolves `$ref`s and rewrites it.
 `strip_spec` cuts it to the two operations the server serves, for schemathesis
 (tests/e2e/test_schemathesis.py and bench/reliability_fuzz.py).
 """
@@ -23,7 +24,7 @@ from server.protocol import (
 
 _REPO = Path(__file__).resolve().parents[1]
 SPEC_PATH = Path(
-    os.environ.get("SPECSERVE_OPENAPI", _REPO.parent / "shared" / "openai" / "openapi.yaml")
+    os.environ.get("SPECSERVE_OPENAPI", _REPO / "tests" / "data" / "openai" / "openapi.yaml")
 )
 
 
@@ -44,16 +45,18 @@ def to_json_schema(node: Any, schemas: dict[str, Any], stack: tuple[str, ...] = 
     return out
 
 
-def spec_schemas() -> dict[str, Any]:
-    """The spec's components.schemas; skips the calling test when the spec is not there."""
-    import pytest
+def load_spec() -> dict[str, Any]:
+    """The whole spec, parsed. It is part of the repository: a missing file is an error, not a
+    reason to skip."""
     import yaml
 
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
     with SPEC_PATH.open(encoding="utf-8") as f:
-        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    return spec["components"]["schemas"]
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def spec_schemas() -> dict[str, Any]:
+    """The spec's components.schemas."""
+    return load_spec()["components"]["schemas"]
 
 
 def validators(names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from tests.openapi_spec import SPEC_PATH
 from tests.unit.bench_scripts import load_reliability
 
 pytest.importorskip("schemathesis")
@@ -28,8 +27,6 @@ R, W, S, F, RR = load_reliability()
 
 @pytest.fixture(scope="module")
 def results(tiny_chat_model: Path) -> Any:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
     settings = R.BenchSettings(
         model=str(tiny_chat_model),
         num_kv_blocks=16,

@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from server.app import create_app
 from server.protocol import ChatCompletionRequest, ChatMessage
 from tests.e2e.conftest import LiveServer, live_server, tiny_settings
-from tests.openapi_spec import OPERATIONS, SPEC_PATH, strip_spec
+from tests.openapi_spec import OPERATIONS, load_spec, strip_spec
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -79,11 +78,7 @@ def _hypothesis_home(tmp_path_factory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def stripped_spec() -> tuple[dict[str, Any], dict[str, list[str]]]:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with SPEC_PATH.open(encoding="utf-8") as f:
-        return strip_spec(yaml.load(f, Loader=loader))
+    return strip_spec(load_spec())
 
 
 @pytest.fixture(scope="module")

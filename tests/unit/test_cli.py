@@ -186,3 +186,14 @@ def test_undescribed_finds_an_option_without_help():
           --max-tokens MAX_TOKENS
         """)
     assert _undescribed(text) == ["--prompt", "--max-tokens"]
+
+
+def test_generation_config_is_auto_or_none(capsys):
+    assert load_settings(None, {"model": "m"}, {}).generation_config == "auto"
+    environ = {"SPECSERVE_GENERATION_CONFIG": "none"}
+    assert load_settings(None, {"model": "m"}, environ).generation_config == "none"
+    args = build_parser().parse_args(["serve", "--generation-config", "none"])
+    assert args.generation_config == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--generation-config", "off"])
+    assert "argument --generation-config: invalid choice: 'off'" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """Fixtures of the protocol tests: the official OpenAPI spec and its JSON Schema validators, and
 tokenizers trained here (no downloads). Module-scoped: each test module loads them once.
 
-The spec (../shared/openai/openapi.yaml beside the repo, or $SPECSERVE_OPENAPI) has its `$ref`s
-resolved and OpenAPI's `nullable: true` rewritten into JSON Schema.
+The spec (vendored in tests/data/openai/, or $SPECSERVE_OPENAPI) has its `$ref`s resolved and
+OpenAPI's `nullable: true` rewritten into JSON Schema.
 """
 
 from __future__ import annotations
@@ -13,18 +13,13 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from tests.openapi_spec import SPEC_PATH, to_json_schema
+from tests.openapi_spec import spec_schemas, to_json_schema
 from tests.unit.protocol.helpers import train_byte_level
 
 
 @pytest.fixture(scope="module")
 def openapi() -> dict[str, Any]:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"OpenAPI spec not found at {SPEC_PATH}")
-    yaml = pytest.importorskip("yaml")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with SPEC_PATH.open(encoding="utf-8") as f:
-        return yaml.load(f, Loader=loader)["components"]["schemas"]
+    return spec_schemas()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Valid requests into engine inputs: chat and completion requests -> SamplingParams (defaults,
-seeds, opt-in speculation stats), the prompt and the predicted output of a request."""
+the model's sampling defaults, seeds, opt-in speculation stats), the prompt and the predicted
+output of a request."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.generation_defaults import GenerationDefaults
 from server import errors
 from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -81,6 +83,41 @@ def test_defaults_and_single_mappings():
     assert (capped.speculate, capped.max_draft_tokens) == (True, 2)
     assert params_of(speculation={"enabled": False}).speculate is False
     assert params_of(speculation=None).speculate is True
+
+
+MODEL_DEFAULTS = GenerationDefaults(
+    temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1
+)
+
+
+def _sampling(params) -> tuple[float, float, int, float, float]:
+    return (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty)
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_model_defaults_fill_only_the_fields_a_request_leaves_out(model):
+    base = CHAT if model is ChatCompletionRequest else COMPLETION
+
+    def params_of(defaults: GenerationDefaults | None = MODEL_DEFAULTS, **patch: Any):
+        req = parse_request(model, patched_body(base, **patch))
+        if defaults is None:
+            return to_sampling_params(req, default_max_tokens=None)
+        return to_sampling_params(req, default_max_tokens=None, defaults=defaults)
+
+    assert _sampling(params_of()) == (0.6, 0.9, 20, 0.05, 1.1)
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    assert _sampling(params_of(**dict.fromkeys(names))) == (0.6, 0.9, 20, 0.05, 1.1)  # null
+    # Explicit values win, the neutral ones too, field by field.
+    neutral = params_of(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    assert _sampling(neutral) == (1.0, 1.0, 0, 0.0, 1.0)
+    assert _sampling(params_of(temperature=0, top_k=-1)) == (0.0, 0.9, 0, 0.05, 1.1)
+    assert params_of(top_p=0).is_greedy  # top_p 0 is greedy whatever the model's temperature
+    # A model without defaults, and none given: OpenAI's (and the extensions' neutral values).
+    assert _sampling(params_of(None)) == (1.0, 1.0, 0, 0.0, 1.0)
+    assert _sampling(params_of(GenerationDefaults())) == (1.0, 1.0, 0, 0.0, 1.0)
+    greedy_model = GenerationDefaults(temperature=0.0)
+    assert params_of(greedy_model).is_greedy
+    assert params_of(greedy_model, temperature=0.8).temperature == 0.8
 
 
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
