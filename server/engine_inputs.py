@@ -83,19 +83,12 @@ def prompt_of(req: CompletionRequest) -> list[str] | list[list[int]]: ...
 def prompt_of(
     req: ChatCompletionRequest | CompletionRequest,
 ) -> list[dict[str, Any]] | list[str] | list[list[int]]:
-    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role + text content, parts
-    as plain dicts). Completions: one entry per prompt, text or token ids (a flat id list is ONE
-    prompt). The route submits each completions prompt as its own engine request."""
+    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role, text content with
+    parts as plain dicts, tool calls and tool_call_id). Completions: one entry per prompt, text
+    or token ids (a flat id list is ONE prompt). The route submits each completions prompt as
+    its own engine request."""
     if isinstance(req, ChatCompletionRequest):
-        return [
-            {
-                "role": m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else [part.model_dump(include={"type", "text"}) for part in m.content or []],
-            }
-            for m in req.messages
-        ]
+        return [m.for_template() for m in req.messages]
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]

@@ -51,7 +51,12 @@ CHAT_CASES = [
     ("message-not-object", {"messages": [5]}, "messages.0"),
     ("role-missing", {"messages": [{"content": "hi"}]}, "messages.0.role"),
     ("role-unknown", {"messages": [USER, {"role": "bot", "content": "x"}]}, "messages.1.role"),
-    ("role-tool", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ("role-function", {"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
+    (
+        "tool-no-call-id",
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "messages.0.tool_call_id",
+    ),
     ("content-missing", {"messages": [{"role": "user"}]}, "messages.0.content"),
     ("content-int", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("content-no-parts", {"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
@@ -62,9 +67,9 @@ CHAT_CASES = [
         "messages.1.content",
     ),
     (
-        "assistant-tool-calls",
+        "assistant-tool-call-empty",
         {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
-        "messages.0.tool_calls",
+        "messages.0.tool_calls.0.id",
     ),
     ("stop-5", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("stop-empty-string", {"stop": [""]}, "stop"),
@@ -82,8 +87,8 @@ CHAT_CASES = [
         {"stream": True, "stream_options": {"include_usage": "yes"}},
         "stream_options.include_usage",
     ),
-    ("tools", {"tools": [{"type": "function"}]}, "tools"),
-    ("tool-choice", {"tool_choice": "auto"}, "tool_choice"),
+    ("tools-no-function", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    ("tool-choice-without-tools", {"tool_choice": "auto"}, "tool_choice"),
     ("functions", {"functions": [{"name": "f"}]}, "functions"),
     ("function-call", {"function_call": "auto"}, "function_call"),
     ("audio", {"audio": {"voice": "alloy"}}, "audio"),
@@ -235,8 +240,13 @@ def test_same_errors_for_decoded_and_raw_bodies():
     [
         (
             ChatCompletionRequest,
-            patched_body(CHAT, tools=[{"type": "function"}]),
+            patched_body(CHAT, functions=[{"name": "f"}]),
             "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
+            patched_body(CHAT, tools=[{"type": "custom", "custom": {"name": "f"}}]),
+            "unsupported_value",
         ),
         (
             ChatCompletionRequest,
