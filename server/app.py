@@ -61,6 +61,7 @@ from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
 from server.tokenization import PromptTokenizer, copies
+from server.tool_calls import model_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
     state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
+    state.tool_parser = None  # how the model writes tool calls (None: it calls none)
     state.load_error = None
     state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
@@ -224,6 +226,7 @@ def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
         for_tokens, for_prompts = copies(tokenizer, 2)
         app.state.tokens = TokenDecoder(for_tokens)
         app.state.prompt_tokenizer = PromptTokenizer(for_prompts)
+        app.state.tool_parser = model_tool_parser(app.state.settings, async_engine.engine)
     async_engine.start()
     app.state.async_engine = async_engine
     logger.info("serving %s as %r", app.state.settings.model, app.state.settings.model_name)

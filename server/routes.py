@@ -14,6 +14,7 @@ import contextlib
 import importlib.metadata
 import logging
 from collections.abc import Awaitable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -51,6 +52,7 @@ from server.streaming import (
     stream_events,
 )
 from server.tokenization import PromptTokenizer
+from server.tool_calls import tool_use
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +131,12 @@ async def chat_completions(request: Request) -> Response:
     tokenizer: PromptTokenizer | None = state.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
+    tools = tool_use(req, state.tool_parser)
     try:
-        prompt_ids = await tokenizer.chat(prompt_of(req))
+        prompt_ids = await tokenizer.chat(prompt_of(req), tools.template_tools)
+        if tools.structured is not None:
+            await tokenizer.compile(engine.engine.grammars, tools.structured, "tools")
+            params = replace(params, structured=tools.structured)
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -142,10 +148,12 @@ async def chat_completions(request: Request) -> Response:
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
     if req.stream:
-        builder = ChatStream(meta, state.tokens, _include_usage(req), spec_stats)
+        builder = ChatStream(
+            meta, state.tokens, _include_usage(req), spec_stats, tool_parser=tools.parser
+        )
         return SSEResponse(stream_events(streams, builder, _splitter(request)))
     (output,) = await _final(request, streams)
-    return _json(build_chat_response(meta, output, state.tokens, spec_stats))
+    return _json(build_chat_response(meta, output, state.tokens, spec_stats, tools.parser))
 
 
 @router.post("/v1/completions")
