@@ -7,10 +7,12 @@ prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -37,6 +39,7 @@ from engine.speculation.speculator import (
 )
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
 from engine.structured.compiler import GrammarCompiler
+from engine.structured.state import GrammarState
 from engine.tokenizer import encode_text, eos_token_ids
 from engine.verifier import StepTokens, Verifier
 
@@ -104,7 +107,11 @@ class LLMEngine:
         # Structured outputs compile against the tokenizer (none without one); the server
         # compiles off the engine thread through this same cache.
         self.grammars = (
-            GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            GrammarCompiler(
+                copy.deepcopy(self.tokenizer),  # its own: it runs on the server's threads
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+            )
             if self.tokenizer is not None
             else None
         )
@@ -159,6 +166,7 @@ class LLMEngine:
         params.validate_for_vocab(self.model_config.vocab_size)
         max_tokens = self._max_tokens(len(token_ids), params)
         predicted = tuple(self.encode_prompt(prediction)) if prediction else ()
+        grammar = self._compile(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = []
         for i in range(params.n):
@@ -174,6 +182,8 @@ class LLMEngine:
                 sampling_seed=self._seeds.getrandbits(63),
             )
             request.prediction_token_ids = predicted
+            if grammar is not None:
+                request.grammar = GrammarState(grammar, self.model_config.vocab_size)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             requests.append(request)
@@ -181,6 +191,18 @@ class LLMEngine:
         self._groups[request_id] = new_group(request_id, prompt_text, token_ids, requests)
         for request in requests:
             self.scheduler.add(request)
+
+    def _compile(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar, None without one (the server compiled it already, off
+        this thread, so this is a cache hit; the offline API compiles here)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "structured outputs need the model's tokenizer, and this model has none.",
+                "response_format",
+            )
+        return self.grammars.compile(params.structured)
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt_tokens

@@ -42,6 +42,7 @@ from server.response_builders import (
     build_chat_response,
     build_completion_response,
 )
+from server.response_format import GrammarWorker
 from server.responses import ModelCard, ModelList
 from server.streaming import (
     EngineStreams,
@@ -132,11 +133,11 @@ async def chat_completions(request: Request) -> Response:
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
     tools = tool_use(req, state.tool_parser)
+    if tools.structured is not None:
+        params = replace(params, structured=tools.structured)
+    await _compile(request, params, "tools" if tools.structured else "response_format")
     try:
         prompt_ids = await tokenizer.chat(prompt_of(req), tools.template_tools)
-        if tools.structured is not None:
-            await tokenizer.compile(engine.engine.grammars, tools.structured, "tools")
-            params = replace(params, structured=tools.structured)
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -162,6 +163,7 @@ async def completions(request: Request) -> Response:
     req = await _parse(request, CompletionRequest)
     engine = _serving_engine(request)
     params = _sampling_params(req)
+    await _compile(request, params)
     prompts = prompt_of(req)
     # Completions always have a max_tokens: counting them needs no prompt length.
     _check_tokens(request, engine, params, [0] * len(prompts), "max_tokens")
@@ -213,6 +215,19 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampling
         return to_sampling_params(req, default_max_tokens=None)
     except ValueError as e:
         raise from_value_error(e, type(req).model_fields) from None
+
+
+async def _compile(
+    request: Request, params: SamplingParams, param: str = "response_format"
+) -> None:
+    """A request's structured-output grammar, compiled off the loop and the engine thread;
+    `param` is the field that asked for it (a 400 names it)."""
+    if params.structured is None:
+        return
+    worker: GrammarWorker | None = request.app.state.grammar_worker
+    if worker is None:
+        raise invalid_request("this model has no tokenizer: no structured outputs.", param)
+    await worker.compile(params.structured, param)
 
 
 def _check_tokens(

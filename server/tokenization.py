@@ -5,8 +5,7 @@ on the asyncio loop they would stall every stream the server is sending, and don
 they would stall every request's next step. `PromptTokenizer` runs them on a thread of its own.
 A Rust tokenizer is never shared between threads: the engine thread keeps the tokenizer it
 loaded (its detokenizer), and each user here gets its own copy, made at start-up before the
-engine thread runs (`copies`). Grammars for structured outputs (tool calls) compile here too:
-the engine's `GrammarCompiler` is thread-safe and keeps what this thread compiles.
+engine thread runs (`copies`).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.spec import StructuredOutput
 from engine.tokenizer import apply_chat_template, encode_text
 
 
@@ -41,17 +38,6 @@ class PromptTokenizer:
     ) -> list[int]:
         """The prompt ids of `messages` (and `tools`) rendered by the model's chat template."""
         return await self._run(_render_chat, messages, tools)
-
-    async def compile(
-        self, grammars: GrammarCompiler | None, structured: StructuredOutput, param: str
-    ) -> None:
-        """Compile `structured` into `grammars`' cache on this thread, so the engine thread,
-        adding the request, finds it there. Raises InvalidRequestError (naming `param`) for a
-        constraint that cannot be compiled."""
-        # The engine has grammars whenever it has a tokenizer, and this exists only then.
-        assert grammars is not None
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, grammars.compile, structured, param)
 
     async def texts(self, prompts: Sequence[str | Sequence[int]]) -> list[str | Sequence[int]]:
         """Each text prompt encoded as the engine would (`encode_text`); id prompts as given."""

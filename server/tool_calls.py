@@ -9,7 +9,8 @@ the reply is read back.
 - "required" or a named function: rendered, parsed, and constrained by the parser's structural
   tag, so the output IS one or more calls (exactly one with `parallel_tool_calls: false`) whose
   arguments match the function's `parameters` schema. With "auto", `parallel_tool_calls: false`
-  cannot be enforced: the model's calls are returned as it wrote them.
+  cannot be enforced: the model's calls are returned as it wrote them. A JSON `response_format`
+  is a constraint too, so it cannot go with "required" or a named function (a 400).
 
 The finish reason is "tool_calls" when a choice's output holds calls and the model stopped by
 itself; an output cut by max_tokens keeps "length".
@@ -71,7 +72,8 @@ NO_TOOLS = ToolUse()
 
 def tool_use(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse:
     """The request's tool use under the server's parser. Raises a 400 (param `tools`) when the
-    request wants calls and the server has no parser for its model."""
+    request wants calls and the server has no parser for its model, and (param `tool_choice`)
+    when it forces calls and a JSON response_format at once."""
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
     if not tools or choice == "none":
@@ -85,6 +87,13 @@ def tool_use(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse:
     name = choice if isinstance(choice, str) else choice.function.name
     functions = [FunctionSpec(t.function.name, t.function.parameters_schema()) for t in tools]
     structured = parser.structural_tag(functions, name, req.parallel_tool_calls is not False)
+    if structured is not None and req.response_format and req.response_format.structured():
+        # One output, one grammar: it cannot be both a tool call and a JSON reply.
+        message = (
+            "tool_choice 'required' or a named function cannot be combined with a JSON "
+            "response_format: both constrain the same output"
+        )
+        raise invalid_request(message, "tool_choice")
     template_tools = [{"type": "function", "function": t.function.for_template()} for t in tools]
     return ToolUse(template_tools, parser, structured)
 

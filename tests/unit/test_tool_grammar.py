@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.structured.compiler import GrammarCompiler
-from engine.structured.state import GrammarState, new_masks, unpack_masks
+from engine.structured.masks import new_masks, unpack_masks
+from engine.structured.state import GrammarState
 from server.tool_parsers import get_parser
 from server.tool_parsers.base import FunctionSpec
 from tests.tiny_tokenizers import CHATML_SPECIALS, SAMPLE_CORPUS, byte_level_bpe

@@ -93,8 +93,12 @@ CHAT_CASES = [
     ("function-call", {"function_call": "auto"}, "function_call"),
     ("audio", {"audio": {"voice": "alloy"}}, "audio"),
     ("modalities-audio", {"modalities": ["audio"]}, "modalities.0"),
-    ("json-schema", {"response_format": {"type": "json_schema"}}, "response_format.type"),
-    ("json-object", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("json-schema-without-schema", {"response_format": {"type": "json_schema"}}, "response_format"),
+    (
+        "json-schema-bad-name",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+        "response_format.json_schema.name",
+    ),
     ("format-unknown", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("format-null", {"response_format": None}, "response_format"),
     ("user-null", {"user": None}, "user"),
@@ -246,11 +250,6 @@ def test_same_errors_for_decoded_and_raw_bodies():
         (
             ChatCompletionRequest,
             patched_body(CHAT, tools=[{"type": "custom", "custom": {"name": "f"}}]),
-            "unsupported_value",
-        ),
-        (
-            ChatCompletionRequest,
-            patched_body(CHAT, response_format={"type": "json_object"}),
             "unsupported_value",
         ),
         (CompletionRequest, patched_body(COMPLETION, suffix="x"), "unsupported_parameter"),

@@ -261,3 +261,12 @@ def test_tool_calls_need_a_parser():
     with pytest.raises(errors.OpenAIError) as info:
         tool_use(chat(tools=[WEATHER]), None)
     assert (info.value.status, info.value.param) == (400, "tools")
+
+
+def test_forced_calls_and_a_json_format_conflict():
+    json_format = {"type": "json_object"}
+    auto = tool_use(chat(tools=[WEATHER], response_format=json_format), HERMES)
+    assert auto.parser is HERMES and auto.structured is None  # the format constrains alone
+    with pytest.raises(errors.OpenAIError) as info:
+        tool_use(chat(tools=[WEATHER], tool_choice="required", response_format=json_format), HERMES)
+    assert (info.value.status, info.value.param) == (400, "tool_choice")
