@@ -298,7 +298,13 @@ class HermesParser(ToolParser):
                             "type": "const_string",
                             "value": f'{{"name": {json.dumps(f.name)}, "arguments": ',
                         },
-                        {"type": "json_schema", "json_schema": f.parameters},
+                        # One whitespace character at most between JSON tokens: unbounded,
+                        # a sampled model can spend every token on spaces and never finish.
+                        {
+                            "type": "json_schema",
+                            "json_schema": f.parameters,
+                            "max_whitespace_cnt": 1,
+                        },
                         {"type": "const_string", "value": "}"},
                     ],
                 },
