@@ -4,10 +4,14 @@ Everything goes through transformers: `AutoTokenizer` loads the tokenizer from a
 directory (or the tokenizer embedded in a GGUF file), and chat templates are rendered by
 transformers' sandboxed Jinja environment. Nothing here touches the Hugging Face hub.
 
-Chat messages follow the OpenAI shape. Roles: `system`, `user`, `assistant`; `developer` (OpenAI's
-newer name for the system role) is rendered as `system`, since no open chat template knows it.
-Content is a string or a list of `{"type": "text", "text": ...}` parts; the parts are joined with
-a newline. Every rejected input raises `ValueError` with a message fit for a 400 response.
+Chat messages follow the OpenAI shape. Roles: `system`, `user`, `assistant`, `tool`; `developer`
+(OpenAI's newer name for the system role) is rendered as `system`, since no open chat template
+knows it. Content is a string or a list of `{"type": "text", "text": ...}` parts; the parts are
+joined with a newline. An assistant message may carry `tool_calls` (OpenAI's shape) instead of
+content; their `arguments`, a JSON string in the API, reach the template as a dict, which is what
+chat templates (Qwen2.5's, Hermes') write out with `tojson`. A tool message keeps its
+`tool_call_id`. Tools (OpenAI's `{"type": "function", "function": {...}}`) go to the template as
+given. Every rejected input raises `ValueError` with a message fit for a 400 response.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ _ROLE_ALIASES = {
     "user": "user",
     "assistant": "assistant",
     "developer": "system",
+    "tool": "tool",
 }
 _CONFIG_FILES = ("generation_config.json", "config.json")
 
@@ -96,8 +101,10 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Render `messages` with the tokenizer's chat template and return the prompt token ids.
+    """Render `messages` (and the `tools` the model may call, if any) with the tokenizer's chat
+    template and return the prompt token ids.
 
     Control tokens (e.g. `<|im_end|>`) written inside message text are encoded as plain text where
     the installed transformers supports it, so a client cannot forge turn boundaries.
@@ -106,6 +113,8 @@ def apply_chat_template(
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions.")
     conversation = normalize_messages(messages)
     kwargs: dict[str, Any] = {"tokenize": True, "return_dict": False}
+    if tools:
+        kwargs["tools"] = [dict(tool) for tool in tools]
     if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
         kwargs["sanitize_control_tokens"] = True
     try:
@@ -118,14 +127,15 @@ def apply_chat_template(
     return _as_id_list(rendered)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Validate OpenAI-style messages into `[{"role": ..., "content": str}]` for a template."""
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate OpenAI-style messages into `[{"role": ..., "content": str, ...}]` for a
+    template (plus `tool_calls` on assistant turns, `tool_call_id` on tool results)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list.")
     return [_normalize_message(i, message) for i, message in enumerate(messages)]
 
 
-def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, str]:
+def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be an object with 'role' and 'content'.")
@@ -133,7 +143,44 @@ def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, str]
     if role not in _ROLE_ALIASES:
         allowed = ", ".join(sorted(_ROLE_ALIASES))
         raise ValueError(f"{where}.role must be one of {allowed}; got {role!r}.")
-    return {"role": _ROLE_ALIASES[role], "content": _content_text(where, message.get("content"))}
+    calls = message.get("tool_calls")
+    if calls and role != "assistant":
+        raise ValueError(f"{where}.tool_calls: only assistant messages have tool calls.")
+    content = message.get("content")
+    normalized: dict[str, Any] = {
+        "role": _ROLE_ALIASES[role],
+        # A turn of calls only has no text; "" renders where templates concatenate content.
+        "content": "" if calls and content is None else _content_text(where, content),
+    }
+    if calls:
+        if not isinstance(calls, list):
+            raise ValueError(f"{where}.tool_calls must be a list.")
+        normalized["tool_calls"] = [
+            _tool_call(f"{where}.tool_calls[{j}]", call) for j, call in enumerate(calls)
+        ]
+    if role == "tool" and message.get("tool_call_id") is not None:
+        normalized["tool_call_id"] = str(message["tool_call_id"])
+    return normalized
+
+
+def _tool_call(where: str, call: Any) -> dict[str, Any]:
+    """An OpenAI tool call with its arguments parsed: a dict, as templates expect."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', ...}}}}.")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}.") from None
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"{where}.function.arguments must be a JSON object.")
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": dict(arguments)},
+    }
 
 
 def _content_text(where: str, content: Any) -> str:

@@ -64,6 +64,7 @@ from server.settings import Settings
 from server.token_text import TokenDecoder
 from server.tokenization import PromptTokenizer, copies
 from server.tokenize_routes import tokenize_router
+from server.tool_calls import model_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
     state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
+    state.tool_parser = None  # how the model writes tool calls (None: it calls none)
     state.grammar_worker = None  # compiles structured-output grammars (None: no tokenizer)
     state.generation_defaults = GenerationDefaults()  # the model's sampling defaults, once read
     state.load_error = None
@@ -235,6 +237,7 @@ def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
         for_tokens, for_prompts = copies(tokenizer, 2)
         app.state.tokens = TokenDecoder(for_tokens)
         app.state.prompt_tokenizer = PromptTokenizer(for_prompts)
+        app.state.tool_parser = model_tool_parser(app.state.settings, async_engine.engine)
     if async_engine.engine.grammars is not None:
         app.state.grammar_worker = GrammarWorker(async_engine.engine.grammars)
     async_engine.start()

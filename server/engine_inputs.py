@@ -109,9 +109,10 @@ def prompt_of(req: CompletionRequest) -> list[str] | list[list[int]]: ...
 def prompt_of(
     req: ChatCompletionRequest | CompletionRequest,
 ) -> list[dict[str, Any]] | list[str] | list[list[int]]:
-    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role + text content, parts
-    as plain dicts). Completions: one entry per prompt, text or token ids (a flat id list is ONE
-    prompt). The route submits each completions prompt as its own engine request."""
+    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role, text content with
+    parts as plain dicts, tool calls and tool_call_id). Completions: one entry per prompt, text
+    or token ids (a flat id list is ONE prompt). The route submits each completions prompt as
+    its own engine request."""
     if isinstance(req, ChatCompletionRequest):
         return messages_of(req.messages)
     prompt = req.prompt
@@ -123,17 +124,9 @@ def prompt_of(
 
 
 def messages_of(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated messages as `engine.tokenizer.apply_chat_template` takes them: role + text
-    content (a string, or its parts as plain dicts)."""
-    return [
-        {
-            "role": m.role,
-            "content": m.content
-            if isinstance(m.content, str)
-            else [part.model_dump(include={"type", "text"}) for part in m.content or []],
-        }
-        for m in messages
-    ]
+    """Validated messages as `engine.tokenizer.apply_chat_template` takes them: role, text
+    content (a string, or its parts as plain dicts), tool calls and tool_call_id."""
+    return [m.for_template() for m in messages]
 
 
 def prediction_of(req: ChatCompletionRequest) -> str | None:

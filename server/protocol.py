@@ -3,8 +3,8 @@
 Types are strict: an integer field takes only a JSON integer (not 1.0, "1" or true), a boolean
 only true/false, a number no NaN or infinity. Unknown fields are tolerated (`extra="allow"`) and
 listed by `unknown_fields` so that the route can log them. OpenAI parameters this server does not
-implement (tools, functions, audio, suffix, echo, best_of > n) are rejected
-with a 400, never silently dropped. `parse_request` is the one validation path: any bad body
+implement (the deprecated functions, audio, suffix, echo, best_of > n) are rejected with
+a 400, never silently dropped. `parse_request` is the one validation path: any bad body
 leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
 Decisions: /v1/completions' `max_tokens` is 16 whether absent or null (OpenAI's default for that
@@ -13,7 +13,8 @@ the spec's int64 range and a negative seed is mapped into the engine's unsigned 
 two's complement (`seed % 2**64`), so distinct seeds stay distinct. Counts are bounded by the
 server's `RequestLimits` (`server/request_limits.py`), given to `parse_request`. `echo` is
 rejected (not implemented). The `speculation` extension, unlike OpenAI's objects, rejects unknown
-keys. Response bodies live in `server/responses.py`.
+keys. Messages are `server/chat_messages.py`'s, tools and tool choices `server/tool_protocol.py`'s.
+Response bodies live in `server/responses.py`.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ from pydantic import (
     model_validator,
 )
 
+from server.chat_messages import ChatMessage, TextOrParts
 from server.errors import from_validation_error, invalid_request
 from server.request_checks import (
     check_logit_bias,
     check_prompt,
     check_stop,
-    check_text_parts,
     fail,
     reject_null,
     reject_unsupported,
 )
 from server.request_limits import RequestLimits, limits_of, num_sequences_error
 from server.response_format import ResponseFormat
+from server.tool_protocol import FunctionTool, ToolChoice, check_tools
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's max_tokens for /v1/completions, absent or null
@@ -51,15 +53,8 @@ MAX_STOP_TOKEN_IDS = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # OpenAI parameters this server does not implement: any value but null is a 400.
-_UNSUPPORTED = (
-    "audio",
-    "function_call",
-    "functions",
-    "suffix",
-    "tool_choice",
-    "tools",
-    "web_search_options",
-)
+_UNSUPPORTED = ("audio", "function_call", "functions", "suffix", "web_search_options")
+_HINTS = {"functions": "deprecated: use tools", "function_call": "deprecated: use tool_choice"}
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int | None, Field(ge=1)]
@@ -75,52 +70,8 @@ StopTokenIds = Annotated[
 ]
 
 
-class TextContentPart(BaseModel):
-    """`{"type": "text", "text": ...}`: the only content part this server reads."""
-
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
-
-
-TextOrParts = Annotated[str | list[TextContentPart], BeforeValidator(check_text_parts)]
 Stop = Annotated[str | list[str] | None, BeforeValidator(check_stop)]
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(check_prompt)]
-
-
-class ChatMessage(BaseModel):
-    """One input message: system, developer, user or assistant, with text content."""
-
-    model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    name: str | None = None
-    tool_calls: Any = None
-    function_call: Any = None
-    content: TextOrParts | None
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _tool_roles(cls, role: Any) -> Any:
-        if role in ("tool", "function"):
-            raise fail(f"role {role!r} is not supported (no tool calling)", "unsupported_value")
-        return role
-
-    @field_validator("name", mode="before")
-    @classmethod
-    def _not_null(cls, value: Any, info: ValidationInfo) -> Any:
-        return reject_null(value, info)
-
-    @field_validator("tool_calls", "function_call")
-    @classmethod
-    def _no_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
-        return reject_unsupported(value, info)
-
-    @field_validator("content")
-    @classmethod
-    def _content_present(cls, content: Any, info: ValidationInfo) -> Any:
-        if content is None:
-            raise fail(f"{info.data.get('role', 'message')} content must be text")
-        return content
 
 
 class StreamOptions(BaseModel):
@@ -181,7 +132,7 @@ class _RequestBase(BaseModel):
     @field_validator(*_UNSUPPORTED, check_fields=False)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return reject_unsupported(value, info)
+        return reject_unsupported(value, info, _HINTS.get(info.field_name or "", ""))
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _RequestBase:
@@ -218,7 +169,7 @@ class ChatCompletionRequest(_RequestBase):
     max_tokens: PositiveInt = None  # deprecated by OpenAI; max_completion_tokens wins
     modalities: list[Literal["text"]] | None = None
     n: PositiveInt = None
-    parallel_tool_calls: bool | None = None  # no effect: tools are rejected
+    parallel_tool_calls: bool | None = None  # absent or null: true
     prediction: Prediction | None = None
     presence_penalty: Penalty = None
     response_format: ResponseFormat | None = None
@@ -227,8 +178,8 @@ class ChatCompletionRequest(_RequestBase):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: Temperature = None
-    tool_choice: Any = None
-    tools: Any = None
+    tool_choice: ToolChoice | None = None  # absent or null: "auto" with tools, else "none"
+    tools: list[FunctionTool] | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     top_p: TopP = None
     user: str | None = None
@@ -253,6 +204,11 @@ class ChatCompletionRequest(_RequestBase):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise fail("top_logprobs requires logprobs: true", param="top_logprobs")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_and_choice(self) -> ChatCompletionRequest:
+        check_tools(self.tools, self.tool_choice)
         return self
 
 

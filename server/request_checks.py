@@ -25,9 +25,11 @@ def fail(message: str, kind: str = "value_error", param: str | None = None) -> P
     return PydanticCustomError(kind, message, {"param": param} if param else None)
 
 
-def reject_unsupported(value: Any, info: ValidationInfo) -> Any:
+def reject_unsupported(value: Any, info: ValidationInfo, hint: str = "") -> Any:
+    """Any value but null (or "") is a 400; `hint` says what to use instead."""
     if value not in (None, ""):
-        raise fail(f"{info.field_name} is not supported", "unsupported_parameter")
+        detail = f" ({hint})" if hint else ""
+        raise fail(f"{info.field_name} is not supported{detail}", "unsupported_parameter")
     return value
 
 

@@ -6,6 +6,9 @@ engine's per-step outputs, each once and in order, and send what each one adds (
 aborted completion (finish_reason "abort") has no OpenAI form: the builders raise ValueError for
 it, and the route answers with an error instead.
 
+Given a tool parser, chat choices are read through it (`server/tool_calls.py`): tool calls in
+the message or as `delta.tool_calls` fragments, finish reason "tool_calls".
+
 With `include_spec_stats` every choice carries `speculative_decoding_stats` (our extension), read
 from the completion's own counters: on each choice of a response, and in a stream on the chunk
 that carries the choice's finish reason (the output that finishes a completion brings them).
@@ -26,7 +29,6 @@ from server.responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionDelta,
-    ChatCompletionMessage,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatTokenLogprob,
@@ -43,6 +45,8 @@ from server.responses import (
     Usage,
 )
 from server.token_text import TextOffsets, TokenDecoder
+from server.tool_calls import ToolDeltas, reply_message, with_calls
+from server.tool_parsers import ToolParser
 
 
 @dataclass(frozen=True)
@@ -148,18 +152,22 @@ def build_chat_response(
     output: RequestOutput,
     tokens: TokenDecoder,
     include_spec_stats: bool = False,
+    tool_parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
     """The body of a finished, non-streamed chat completion."""
-    choices = [
-        ChatCompletionChoice(
-            index=c.index,
-            message=ChatCompletionMessage(content=c.text),
-            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
-            finish_reason=finish_reason_of(c.finish_reason or "unfinished"),
-            speculative_decoding_stats=_stats_if(include_spec_stats, c),
+    choices = []
+    for c in output.outputs:
+        message = reply_message(c.text, tool_parser)
+        reason = finish_reason_of(c.finish_reason or "unfinished")
+        choices.append(
+            ChatCompletionChoice(
+                index=c.index,
+                message=message,
+                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
+                finish_reason=with_calls(reason, bool(message.tool_calls)),
+                speculative_decoding_stats=_stats_if(include_spec_stats, c),
+            )
         )
-        for c in output.outputs
-    ]
     return ChatCompletionResponse(
         id=meta.id,
         created=meta.created,
@@ -209,6 +217,7 @@ class _Sent:
     is_started: bool = False
     is_finished: bool = False
     offsets: TextOffsets | None = None
+    tools: ToolDeltas | None = None  # a chat choice read through a tool parser
 
 
 @dataclass
@@ -229,9 +238,13 @@ class _Stream:
         return finish_reason_of(c.finish_reason)
 
 
+@dataclass
 class ChatStream(_Stream):
-    """Chunks of one streamed chat completion: per choice a role chunk, content chunks, and a
-    final chunk with an empty delta and the finish reason; then `usage_chunk()`."""
+    """Chunks of one streamed chat completion: per choice a role chunk, content chunks (and
+    tool call fragments, given a `tool_parser`), and a final chunk with an empty delta and the
+    finish reason; then `usage_chunk()`."""
+
+    tool_parser: ToolParser | None = None
 
     def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[ChatCompletionChunk]:
         """Chunks for what the output adds. A chat has one prompt: prompt_index is always 0 and
@@ -242,16 +255,26 @@ class ChatStream(_Stream):
             sent = self._sent.setdefault(c.index, _Sent())
             if not sent.is_started:
                 sent.is_started = True
+                if self.tool_parser is not None:
+                    sent.tools = ToolDeltas(self.tool_parser)
                 delta = ChatCompletionDelta(role="assistant", content="")
                 chunks.append(self._chunk(ChatCompletionStreamChoice(index=c.index, delta=delta)))
-            text, entries = c.text, c.logprobs or []
-            if text or entries:
-                logprobs = None if c.logprobs is None else chat_logprobs(entries, self.tokens)
-                choice = ChatCompletionStreamChoice(
-                    index=c.index, delta=ChatCompletionDelta(content=text), logprobs=logprobs
-                )
+            entries = c.logprobs or []
+            if sent.tools is None:
+                deltas = [ChatCompletionDelta(content=c.text)] if c.text or entries else []
+            else:
+                deltas = sent.tools.deltas(c.text, is_last=c.finish_reason is not None)
+                if entries and not deltas:
+                    deltas = [ChatCompletionDelta()]
+            for i, delta in enumerate(deltas):
+                # The step's logprobs ride on its first chunk.
+                has_logprobs = c.logprobs is not None and i == 0
+                logprobs = chat_logprobs(entries, self.tokens) if has_logprobs else None
+                choice = ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=logprobs)
                 chunks.append(self._chunk(choice))
             reason = self._finish(sent, c)
+            if reason is not None and sent.tools is not None:
+                reason = with_calls(reason, sent.tools.has_calls)
             if reason is not None:
                 choice = ChatCompletionStreamChoice(
                     index=c.index,

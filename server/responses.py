@@ -19,7 +19,8 @@ MIN_LOGPROB = -9999.0
 SYSTEM_FINGERPRINT = "fp_specserve"
 
 # The engine's "abort" has no OpenAI counterpart: an aborted request gets an error, not a choice.
-FinishReason = Literal["stop", "length"]
+# "tool_calls": the model stopped after calling tools (server/tool_calls.py decides).
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def _finite_logprob(value: float) -> float:
@@ -112,12 +113,60 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class _DropNone(BaseModel):
+    """A body whose unset (None) fields are left out of the JSON: the spec types them without
+    null."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    """The function a tool call calls; arguments are JSON text, as the model wrote them."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of a reply."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallChunk(_DropNone):
+    """What a stream chunk adds to a call's function: its name once, then arguments pieces."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(_DropNone):
+    """A fragment of the call at `index`: the first carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallChunk | None = None
+
+
 class ChatCompletionMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: content, and tool_calls (left out when there are none)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(_Choice):
@@ -142,15 +191,12 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatCompletionDelta(BaseModel):
+class ChatCompletionDelta(_DropNone):
     """What one chunk adds to a choice; unset fields are left out (the final delta is `{}`)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatCompletionStreamChoice(_Choice):

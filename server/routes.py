@@ -14,6 +14,7 @@ import contextlib
 import importlib.metadata
 import logging
 from collections.abc import Awaitable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -52,6 +53,7 @@ from server.streaming import (
     stream_events,
 )
 from server.tokenization import PromptTokenizer
+from server.tool_calls import tool_use
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +132,12 @@ async def chat_completions(request: Request) -> Response:
     tokenizer: PromptTokenizer | None = state.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
-    await _compile(request, params)
+    tools = tool_use(req, state.tool_parser)
+    if tools.structured is not None:
+        params = replace(params, structured=tools.structured)
+    await _compile(request, params, "tools" if tools.structured else "response_format")
     try:
-        prompt_ids = await tokenizer.chat(prompt_of(req))
+        prompt_ids = await tokenizer.chat(prompt_of(req), tools.template_tools)
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -144,10 +149,12 @@ async def chat_completions(request: Request) -> Response:
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
     if req.stream:
-        builder = ChatStream(meta, state.tokens, _include_usage(req), spec_stats)
+        builder = ChatStream(
+            meta, state.tokens, _include_usage(req), spec_stats, tool_parser=tools.parser
+        )
         return SSEResponse(stream_events(streams, builder, _splitter(request)))
     (output,) = await _final(request, streams)
-    return _json(build_chat_response(meta, output, state.tokens, spec_stats))
+    return _json(build_chat_response(meta, output, state.tokens, spec_stats, tools.parser))
 
 
 @router.post("/v1/completions")
@@ -218,16 +225,17 @@ def _sampling_params(
         raise from_value_error(e, type(req).model_fields) from None
 
 
-async def _compile(request: Request, params: SamplingParams) -> None:
-    """A request's structured-output grammar, compiled off the loop and the engine thread."""
+async def _compile(
+    request: Request, params: SamplingParams, param: str = "response_format"
+) -> None:
+    """A request's structured-output grammar, compiled off the loop and the engine thread;
+    `param` is the field that asked for it (a 400 names it)."""
     if params.structured is None:
         return
     worker: GrammarWorker | None = request.app.state.grammar_worker
     if worker is None:
-        raise invalid_request(
-            "this model has no tokenizer: no structured outputs.", "response_format"
-        )
-    await worker.compile(params.structured)
+        raise invalid_request("this model has no tokenizer: no structured outputs.", param)
+    await worker.compile(params.structured, param)
 
 
 def _check_tokens(

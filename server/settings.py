@@ -31,6 +31,8 @@ from pydantic.fields import FieldInfo
 from engine.config import EngineConfig
 from engine.speculation.config import SpeculativeConfig
 from server.request_limits import CONTEXTS_PER_REQUEST, DEFAULT_LIMITS, RequestLimits
+from server.tool_parsers import choices as tool_parser_choices
+from server.tool_parsers import names as tool_parser_names
 
 ENV_PREFIX = "SPECSERVE_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -153,6 +155,13 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
             "default); none: OpenAI's defaults only",
         ),
     ] = "auto"
+    tool_parser: Annotated[
+        str,
+        Field(
+            description="how the model writes tool calls: auto (found from its chat template, "
+            "else its model type), none (tool calls off), or " + ", ".join(tool_parser_names())
+        ),
+    ] = "auto"
     log_level: Annotated[LogLevel, Field(description="critical, error, warning, info or debug")] = (
         "info"
     )
@@ -187,6 +196,13 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
             if text.startswith("["):
                 return json.loads(text)
             return [origin.strip() for origin in text.split(",") if origin.strip()]
+        return value
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        if value not in tool_parser_choices():
+            raise ValueError(f"must be one of {', '.join(tool_parser_choices())}")
         return value
 
     @field_validator("log_level", mode="before")

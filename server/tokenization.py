@@ -35,9 +35,11 @@ class PromptTokenizer:
         # One worker: the copy is only ever used by it.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt ids of `messages` rendered by the model's chat template."""
-        return await self._run(apply_chat_template, messages)
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt ids of `messages` (and `tools`) rendered by the model's chat template."""
+        return await self._run(_render_chat, messages, tools)
 
     async def texts(self, prompts: Sequence[str | Sequence[int]]) -> list[str | Sequence[int]]:
         """Each text prompt encoded as the engine would (`encode_text`); id prompts as given."""
@@ -73,9 +75,15 @@ class PromptTokenizer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Any, arg: Any) -> Any:
+    async def _run(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn, self._tokenizer, arg)
+        return await loop.run_in_executor(self._pool, fn, self._tokenizer, *args)
+
+
+def _render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    return apply_chat_template(tokenizer, messages, tools=tools)
 
 
 def _encode_all(

@@ -15,12 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    TextContentPart,
-)
+from server.chat_messages import ChatMessage, TextContentPart
+from server.protocol import ChatCompletionRequest, CompletionRequest
 
 _REPO = Path(__file__).resolve().parents[1]
 SPEC_PATH = Path(
@@ -80,6 +76,7 @@ NESTED_MODELS = {
     "ChatCompletionRequestSystemMessage": ChatMessage,
     "ChatCompletionRequestUserMessage": ChatMessage,
     "ChatCompletionRequestAssistantMessage": ChatMessage,
+    "ChatCompletionRequestToolMessage": ChatMessage,
     "ChatCompletionRequestMessageContentPartText": TextContentPart,
 }
 # operationId -> (path, our request model: fields it does not declare are not read).

@@ -37,9 +37,9 @@ def test_each_thread_tokenises_with_its_own_tokenizer(server, monkeypatch):
     seen: list[tuple[threading.Thread, Any]] = []
     render = tokenization.apply_chat_template
 
-    def recording(tokenizer: Any, messages: Any) -> list[int]:
+    def recording(tokenizer: Any, messages: Any, **kwargs: Any) -> list[int]:
         seen.append((threading.current_thread(), tokenizer))
-        return render(tokenizer, messages)
+        return render(tokenizer, messages, **kwargs)
 
     monkeypatch.setattr(tokenization, "apply_chat_template", recording)
     assert _chat(server.base_url).status_code == 200
@@ -64,9 +64,9 @@ def test_the_loop_serves_while_a_prompt_is_being_tokenised(server, monkeypatch):
     health_answered = threading.Event()
     render = tokenization.apply_chat_template
 
-    def waiting(tokenizer: Any, messages: Any) -> list[int]:
+    def waiting(tokenizer: Any, messages: Any, **kwargs: Any) -> list[int]:
         assert health_answered.wait(20), "/health did not answer during the tokenisation"
-        return render(tokenizer, messages)
+        return render(tokenizer, messages, **kwargs)
 
     monkeypatch.setattr(tokenization, "apply_chat_template", waiting)
     result: dict[str, httpx.Response] = {}

@@ -78,7 +78,7 @@ def test_chat_template_encodes_control_tokens_in_content_as_text(chat_tokenizer)
 @pytest.mark.parametrize(
     "messages, match",
     [
-        ([{"role": "tool", "content": "x"}], "role"),
+        ([{"role": "function", "content": "x"}], "role"),
         ([{"content": "x"}], "role"),
         ([{"role": "user", "content": 3}], "content"),
         ([{"role": "user", "content": None}], "content"),

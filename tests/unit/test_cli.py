@@ -90,6 +90,7 @@ def test_yaml_then_environment_then_flags(tmp_path):
         ("engines:\n  model: m\n", {}, "unknown sections"),
         ("engine:\n  model: m\n", {"port": "http"}, "port"),
         ("engine:\n  model: m\n", {"speculative_config": "{nope"}, "not valid JSON"),
+        ("server:\n  tool_parser: mistral\n", {"model": "m"}, "tool_parser: .*hermes"),
         # A well-formed but invalid speculative_config fails here, before the server binds.
         ("engine:\n  model: m\n", {"speculative_config": '{"method": "x"}'}, "unknown spec"),
         (

@@ -1,0 +1,160 @@
+"""Tool calling for one chat request: what the prompt shows, what the output must match, and how
+the reply is read back.
+
+- `tool_choice` "none" (the default without tools): the tools are NOT rendered into the prompt
+  and the output is plain content, as if the request had none. A model that cannot see the tools
+  has no reason to write calls, and one that wrote some anyway would have them returned as text.
+- "auto" (the default with tools): the tools are rendered, the model chooses, and its output is
+  parsed; no grammar.
+- "required" or a named function: rendered, parsed, and constrained by the parser's structural
+  tag, so the output IS one or more calls (exactly one with `parallel_tool_calls: false`) whose
+  arguments match the function's `parameters` schema. With "auto", `parallel_tool_calls: false`
+  cannot be enforced: the model's calls are returned as it wrote them. A JSON `response_format`
+  is a constraint too, so it cannot go with "required" or a named function (a 400).
+
+The finish reason is "tool_calls" when a choice's output holds calls and the model stopped by
+itself; an output cut by max_tokens keeps "length".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.structured.spec import StructuredOutput
+from server.errors import invalid_request
+from server.protocol import ChatCompletionRequest
+from server.responses import (
+    ChatCompletionDelta,
+    ChatCompletionMessage,
+    FinishReason,
+    FunctionCall,
+    FunctionCallChunk,
+    ToolCall,
+    ToolCallChunk,
+)
+from server.tool_parsers import ToolParser, select_parser
+from server.tool_parsers.base import CallArguments, CallStart, CallStream, FunctionSpec, Text
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+    from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def model_tool_parser(settings: Settings, engine: LLMEngine) -> ToolParser | None:
+    """The parser for the served model under the `tool_parser` setting ("auto": from its chat
+    template, else its model type)."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: any of them may show the format
+        template = "\n".join(str(t) for t in template.values())
+    model_type = getattr(engine.model_config.hf_config, "model_type", None)
+    parser = select_parser(settings.tool_parser, template, model_type)
+    logger.info("tool calls: %s", f"the {parser.name} format" if parser else "not available")
+    return parser
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How one chat request uses its tools: what the chat template renders (None: no tools),
+    the parser that reads the output (None: it is all content), and the constraint the output
+    must match (None: the model is free)."""
+
+    template_tools: list[dict[str, Any]] | None = None
+    parser: ToolParser | None = None
+    structured: StructuredOutput | None = None
+
+
+NO_TOOLS = ToolUse()
+
+
+def tool_use(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse:
+    """The request's tool use under the server's parser. Raises a 400 (param `tools`) when the
+    request wants calls and the server has no parser for its model, and (param `tool_choice`)
+    when it forces calls and a JSON response_format at once."""
+    tools = req.tools or []
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if not tools or choice == "none":
+        return NO_TOOLS
+    if parser is None:
+        message = (
+            "tool calls are not available for this model: its chat template shows no known "
+            "tool-call format (start the server with --tool-parser to name one)."
+        )
+        raise invalid_request(message, "tools", "unsupported_value")
+    name = choice if isinstance(choice, str) else choice.function.name
+    functions = [FunctionSpec(t.function.name, t.function.parameters_schema()) for t in tools]
+    structured = parser.structural_tag(functions, name, req.parallel_tool_calls is not False)
+    if structured is not None and req.response_format and req.response_format.structured():
+        # One output, one grammar: it cannot be both a tool call and a JSON reply.
+        message = (
+            "tool_choice 'required' or a named function cannot be combined with a JSON "
+            "response_format: both constrain the same output"
+        )
+        raise invalid_request(message, "tool_choice")
+    template_tools = [{"type": "function", "function": t.function.for_template()} for t in tools]
+    return ToolUse(template_tools, parser, structured)
+
+
+def with_calls(reason: FinishReason, has_calls: bool) -> FinishReason:
+    """OpenAI's finish reason for a choice that called tools and stopped by itself."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def reply_message(text: str, parser: ToolParser | None) -> ChatCompletionMessage:
+    """A finished choice's message: the text read through the parser, or all content."""
+    if parser is None:
+        return ChatCompletionMessage(content=text)
+    parsed = parser.parse(text)
+    calls = [
+        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in parsed.calls
+    ]
+    return ChatCompletionMessage(content=parsed.content, tool_calls=calls or None)
+
+
+@dataclass
+class ToolDeltas:
+    """One streamed choice's text read through a parser into chunk deltas, in order: content,
+    a call's first fragment (index, id, type, name, empty arguments), its arguments pieces."""
+
+    parser: ToolParser
+    _stream: CallStream = field(init=False)
+    _is_done: bool = False
+
+    def __post_init__(self) -> None:
+        self._stream = self.parser.stream()
+
+    @property
+    def has_calls(self) -> bool:
+        return self._stream.has_calls
+
+    def deltas(self, text: str, is_last: bool) -> list[ChatCompletionDelta]:
+        """The deltas `text` (the step's new text) decides; `is_last`: the choice finished,
+        so nothing is held back any more."""
+        if self._is_done:  # outputs after the finishing one repeat it with no new text
+            return []
+        events = self._stream.feed(text) if text else []
+        if is_last:
+            events += self._stream.finish()
+            self._is_done = True
+        deltas = []
+        for event in events:
+            if isinstance(event, Text):
+                deltas.append(ChatCompletionDelta(content=event.text))
+            elif isinstance(event, CallStart):
+                first = ToolCallChunk(
+                    index=event.index,
+                    id=self._stream.call_id(event.index),
+                    type="function",
+                    function=FunctionCallChunk(name=event.name, arguments=""),
+                )
+                deltas.append(ChatCompletionDelta(tool_calls=[first]))
+            elif isinstance(event, CallArguments):
+                piece = ToolCallChunk(
+                    index=event.index, function=FunctionCallChunk(arguments=event.text)
+                )
+                deltas.append(ChatCompletionDelta(tool_calls=[piece]))
+        return deltas
