@@ -11,7 +11,7 @@
   sees the client's disconnect, so its engine requests are aborted and their KV blocks freed;
   `ServerCounters.num_stream_stalls` counts it (`specserve:stream_stalls_total`).
 
-The time to receive a body is bounded in the ASGI layer (`server/app.py`, BodyLimitMiddleware),
+The time to receive a body is bounded in the ASGI layer (`server/middleware.py`, BodyLimitMiddleware),
 which can still answer 408. `uvicorn_config` is how the CLI (and the end-to-end tests) configure
 uvicorn with these.
 """

@@ -142,11 +142,11 @@ def _bad_bodies() -> list[tuple[str, str, Any, int, str | None]]:
         ("prompt-ids", tok, {"prompt": [1, 2]}, 400, "prompt"),
         ("no-messages", tok, {"messages": []}, 400, "messages"),
         (
-            "tool-role",
+            "tool-without-call-id",
             tok,
             {"messages": [{"role": "tool", "content": "x"}]},
             400,
-            "messages.0.role",
+            "messages.0.tool_call_id",
         ),
         ("no-content", tok, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
         (

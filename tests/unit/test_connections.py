@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from server.app import BodyLimitMiddleware
 from server.cli import build_parser
 from server.connections import TimedH11Protocol, uvicorn_config
 from server.errors import OpenAIError
 from server.metrics import ServerCounters
+from server.middleware import BodyLimitMiddleware
 from server.settings import load_settings
 
 
