@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers \
-	bench-reliability clean
+	bench-reliability bench-grammar clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,13 @@ bench-peers: $(VENV)/.models
 # cores). Writes bench/results/reliability.json. ARGS=--short: the same at small scale.
 bench-reliability: $(VENV)/.installed
 	$(PY) bench/reliability.py $(ARGS)
+
+# The structured-output grammar library: xgrammar against llguidance at the Qwen vocabulary —
+# tokenizer preprocessing, schema compile, per-token mask + advance, rollback — over the schemas
+# of bench/structured_workload.py (bench/grammar_mask.py; about a minute). Writes
+# bench/results/grammar_mask.json. ARGS=--smoke: one round.
+bench-grammar: $(VENV)/.models $(VENV)/.bench
+	$(PY) bench/grammar_mask.py $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
