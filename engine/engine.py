@@ -7,6 +7,7 @@ prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Sequence
@@ -15,7 +16,6 @@ from dataclasses import replace
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
 from engine.loading import load_draft_runner, maybe_load_tokenizer
 from engine.memory import log_memory, plan_for, release_freed_heap
 from engine.metrics import EngineMetrics
@@ -23,6 +23,7 @@ from engine.models.bundled import resolve_model
 from engine.output_processor import RequestGroup, append_tokens, new_group
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_inputs import compile_grammar, encode_prompt, resolve_max_tokens
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -37,7 +38,8 @@ from engine.speculation.speculator import (
 )
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
 from engine.structured.compiler import GrammarCompiler
-from engine.tokenizer import encode_text, eos_token_ids
+from engine.structured.state import GrammarState
+from engine.tokenizer import eos_token_ids
 from engine.verifier import StepTokens, Verifier
 
 _SEED_MODULUS = 2**64
@@ -104,7 +106,11 @@ class LLMEngine:
         # Structured outputs compile against the tokenizer (none without one); the server
         # compiles off the engine thread through this same cache.
         self.grammars = (
-            GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            GrammarCompiler(
+                copy.deepcopy(self.tokenizer),  # its own: it runs on the server's threads
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+            )
             if self.tokenizer is not None
             else None
         )
@@ -123,23 +129,7 @@ class LLMEngine:
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids for a prompt given as text or as ids; validates ids against the vocab."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: pass prompts as token ids.", "prompt"
-                )
-            token_ids = encode_text(self.tokenizer, prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty.", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad} is outside the vocabulary (size {vocab}).", "prompt"
-            )
-        return token_ids
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def add_request(
         self,
@@ -157,8 +147,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use.")
         token_ids = self.encode_prompt(prompt)
         params.validate_for_vocab(self.model_config.vocab_size)
-        max_tokens = self._max_tokens(len(token_ids), params)
+        max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
         predicted = tuple(self.encode_prompt(prediction)) if prediction else ()
+        grammar = compile_grammar(self.grammars, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = []
         for i in range(params.n):
@@ -174,6 +165,8 @@ class LLMEngine:
                 sampling_seed=self._seeds.getrandbits(63),
             )
             request.prediction_token_ids = predicted
+            if grammar is not None:
+                request.grammar = GrammarState(grammar, self.model_config.vocab_size)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             requests.append(request)
@@ -181,24 +174,6 @@ class LLMEngine:
         self._groups[request_id] = new_group(request_id, prompt_text, token_ids, requests)
         for request in requests:
             self.scheduler.add(request)
-
-    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt is {num_prompt_tokens} tokens; this model's context is "
-                f"{self.max_model_len} tokens, which leaves no room to generate.",
-                "prompt",
-            )
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds this model's context of {self.max_model_len} tokens.",
-                "max_tokens",
-            )
-        return params.max_tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown."""

@@ -2,17 +2,21 @@
 
 A step may emit several tokens for one request (accepted drafts + one); they are appended one by
 one, and the first stop condition (a stop token, EOS, a stop string, max_tokens or the context
-length) ends the output there: nothing after it is emitted.
+length) ends the output there: nothing after it is emitted. Under a grammar, every appended
+token advances it, and the grammar's end (it accepted a stop token) ends the output too.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.speculation.stats import SpecStats
+
+logger = logging.getLogger(__name__)
 
 
 class RequestGroup:
@@ -85,11 +89,27 @@ def append_tokens(
                 )
             )
         status = _check_stop(request, eos_token_ids, max_model_len)
+        if request.grammar is not None:
+            status = _advance_grammar(request, token_id, status)
         if status is not None:
             if request.detokenizer is not None and request.stop_reason is None:
                 request.unsent_text += request.detokenizer.flush()
             return status, len(token_ids) - i - 1
     return None, 0
+
+
+def _advance_grammar(
+    request: Request, token_id: int, status: RequestStatus | None
+) -> RequestStatus | None:
+    """Advance the request's grammar by its new token; a finished grammar ends the output."""
+    if not request.grammar.accept(token_id):
+        # Every token was sampled under the grammar's mask: this is a bug, not bad input. End
+        # the output rather than emit past what the grammar allows.
+        logger.error("request %s: token %d is outside its grammar", request.request_id, token_id)
+        return status or RequestStatus.FINISHED_STOPPED
+    if status is None and request.grammar.is_terminated:
+        return RequestStatus.FINISHED_STOPPED
+    return status
 
 
 def _check_stop(

@@ -84,6 +84,9 @@ class Request:
         self.last_token_time: float | None = None
         # OpenAI Predicted Outputs: the client's guess of the output, a draft source.
         self.prediction_token_ids: tuple[int, ...] = ()
+        # Structured outputs: the sequence's GrammarState (set by the engine), advanced by every
+        # token appended.
+        self.grammar: Any = None
         self.spec_stats = SpecStats()
 
     def generator(

@@ -4,8 +4,10 @@ Processing order (`Sampler.process`; `engine/sampler_reference.py` spells out th
 row at a time and is the oracle the tests hold this module against):
 
 1. logit_bias is added.
+1b. A grammar (structured outputs) masks the tokens it does not allow (-inf).
 2. min_tokens: while len(output_token_ids) < min_tokens, the EOS ids (unless ignore_eos) and
-   stop_token_ids are banned (-inf).
+   stop_token_ids are banned (-inf). Where a grammar allows nothing else (its document is
+   complete and only the end may follow), the grammar wins: the row keeps what it allows.
 3. Penalties. repetition_penalty acts on tokens present in the prompt OR the output
    (logit / rp if logit > 0 else logit * rp); then frequency_penalty * count and
    presence_penalty * (count > 0) are subtracted, counting the output only (OpenAI semantics).
@@ -39,6 +41,7 @@ import torch
 from engine.device import to_device
 from engine.kernels import argmax_rows
 from engine.sampling_params import SamplingParams
+from engine.structured.masks import TokenMasks, apply_masks, let_grammar_end
 
 _NEG_INF = float("-inf")
 
@@ -78,7 +81,12 @@ class Sampler:
         # Ids outside the vocabulary cannot be sampled, so there is nothing to ban.
         self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids if 0 <= t < vocab_size}))
 
-    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def process(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: TokenMasks | None = None,
+    ) -> torch.Tensor:
         """logits [num_rows, vocab] (any float dtype) -> processed float32 logits, same shape.
 
         Masked tokens are -inf. The input tensor is not modified.
@@ -88,17 +96,28 @@ class Sampler:
         out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         # out: [num_rows, vocab_size]
         _add_logit_bias(out, rows)
+        ended = None
+        if masks is not None:
+            apply_masks(out, masks)
+            ended = self._grammar_rows_under_min_tokens(out, rows, masks)
         _ban_until_min_tokens(out, rows, self.eos_token_ids)
+        if ended is not None:
+            let_grammar_end(out, *ended)
         _apply_penalties(out, rows)
         _apply_temperature(out, rows)
         _truncate(out, rows)
         return out
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: TokenMasks | None = None,
+    ) -> SamplerOutput:
         """Sample one token per row from logits [num_rows, vocab]."""
         self._check(logits, rows)
-        if self._needs_processing(rows):
-            return self.sample_processed(self.process(logits, rows), rows)
+        if masks is not None or self._needs_processing(rows):
+            return self.sample_processed(self.process(logits, rows, masks), rows)
         # All greedy and nothing to apply: the argmax of the logits as they are.
         return with_logprobs(logits, argmax_rows(logits), rows)
 
@@ -113,6 +132,16 @@ class Sampler:
             idx = _host_to(processed.device, random_idx, torch.int64)
             token_ids[idx] = _exponential_race(processed[idx], [rows[i] for i in random_idx])
         return with_logprobs(processed, token_ids, rows)
+
+    def _grammar_rows_under_min_tokens(
+        self, out: torch.Tensor, rows: Sequence[SamplingRow], masks: TokenMasks
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The masked rows min_tokens bans tokens in, and their logits before the ban."""
+        ids = [i for i in masks.row_ids if _min_tokens_ban(rows[i], self.eos_token_ids)]
+        if not ids:
+            return None
+        idx = _host_to(out.device, ids, torch.int64)
+        return idx, out[idx].clone()
 
     def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
         for row in rows:

@@ -18,9 +18,14 @@ _NEG_INF = float("-inf")
 
 
 def process_reference(
-    logits_row: torch.Tensor, row: SamplingRow, *, eos_token_ids: Sequence[int]
+    logits_row: torch.Tensor,
+    row: SamplingRow,
+    *,
+    eos_token_ids: Sequence[int],
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits_row [vocab] -> processed float32 [vocab]; masked tokens are -inf."""
+    """logits_row [vocab] -> processed float32 [vocab]; masked tokens are -inf. `allowed`
+    [vocab] bool: the tokens a grammar allows (None: no grammar)."""
     params = row.params
     x = logits_row.to(torch.float32, copy=True)  # [vocab_size]
     vocab_size = x.shape[0]
@@ -29,13 +34,19 @@ def process_reference(
         if token_id < vocab_size:
             x[token_id] += bias
 
+    if allowed is not None:
+        x[~allowed] = _NEG_INF
+
     if len(row.output_token_ids) < params.min_tokens:
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
             banned |= set(eos_token_ids)
+        before_ban = x.clone()
         for token_id in banned:
             if 0 <= token_id < vocab_size:
                 x[token_id] = _NEG_INF
+        if allowed is not None and bool(torch.isneginf(x).all()):
+            x = before_ban  # the grammar allows only the end: it wins over min_tokens
 
     if params.repetition_penalty != 1.0:
         rp = params.repetition_penalty
@@ -68,11 +79,15 @@ def process_reference(
 
 
 def sample_reference(
-    logits_row: torch.Tensor, row: SamplingRow, *, eos_token_ids: Sequence[int]
+    logits_row: torch.Tensor,
+    row: SamplingRow,
+    *,
+    eos_token_ids: Sequence[int],
+    allowed: torch.Tensor | None = None,
 ) -> int:
     """One token for one row: argmax when greedy, else a multinomial draw from the processed
     distribution (from row.generator when it has one)."""
-    processed = process_reference(logits_row, row, eos_token_ids=eos_token_ids)
+    processed = process_reference(logits_row, row, eos_token_ids=eos_token_ids, allowed=allowed)
     if row.params.is_greedy:
         return int(torch.argmax(processed))
     probs = torch.softmax(processed, dim=0)

@@ -14,6 +14,11 @@ position. Two verification paths, both exact:
   min(1, p_j(d_j) / q_j(d_j)), recover from norm(max(0, p_j - q_j)), bonus from p_{k+1}.
 
 Logprobs of every emitted token come from the target's processed distribution at its row.
+
+A request under a grammar (structured outputs) has every row masked with the grammar state its
+drafts reach: row j with the state after d_1 .. d_j. A draft the grammar forbids has probability
+0 at its row, so it is rejected there and the rows after it are never read (they stay unmasked).
+The state rolls back after the masks are built; the engine advances it by the emitted tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, with_logprobs
 from engine.speculation.proposer import Draft
 from engine.speculation.rejection import rejection_sample, verify_by_sampling
+from engine.structured.masks import TokenMasks, new_masks
 
 # Generator streams of one output position (stream 0 samples the token itself).
 VERIFY_STREAM = 1
@@ -106,16 +112,17 @@ class Verifier:
             for row in sampling_rows(req, ids, logits.device)
         ]
         starts = _row_starts(drafts)
+        masks = grammar_masks([r for r, _ in items], drafts, starts, self.sampler.vocab_size)
         is_prob = [
             d is not None and d.probs is not None and not r.params.is_greedy for r, d in items
         ]
         if not any(is_prob):
-            sampled = self.sampler.sample(logits, rows)
+            sampled = self.sampler.sample(logits, rows, masks)
             verified = verify_by_sampling(sampled.token_ids, drafts)
             return _results(
                 verified.output_token_ids, verified.num_accepted, drafts, starts, sampled
             )
-        return self._run_with_probs(logits, items, drafts, rows, starts, is_prob)
+        return self._run_with_probs(logits, items, drafts, rows, starts, is_prob, masks)
 
     def _run_with_probs(
         self,
@@ -125,8 +132,9 @@ class Verifier:
         rows: list[SamplingRow],
         starts: list[int],
         is_prob: list[bool],
+        masks: TokenMasks | None,
     ) -> list[StepTokens]:
-        processed = self.sampler.process(logits, rows)  # [num_rows, vocab_size]
+        processed = self.sampler.process(logits, rows, masks)  # [num_rows, vocab_size]
         tokens: list[list[int]] = [[] for _ in items]
         accepted = [0] * len(items)
         plain = [i for i, p in enumerate(is_prob) if not p]
@@ -164,6 +172,35 @@ class Verifier:
         )
         scored = with_logprobs(processed[emit_rows], emitted, [rows[r] for r in emit_rows])
         return _results(tokens, accepted, drafts, _row_starts([t[1:] for t in tokens]), scored)
+
+
+def grammar_masks(
+    requests: Sequence[Request],
+    drafts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    vocab_size: int,
+) -> TokenMasks | None:
+    """The masks of every row of the requests under a grammar (None when no request has one):
+    row j of a request with the state after its first j drafts, each grammar rolled back after.
+    A row past a draft the grammar forbids, or past the grammar's end, stays unmasked: it is
+    never read."""
+    grammar_ids = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not grammar_ids:
+        return None
+    row_ids = [starts[i] + j for i in grammar_ids for j in range(len(drafts[i]) + 1)]
+    packed = new_masks(len(row_ids), vocab_size)  # [num_masked_rows, words]
+    row = 0
+    for i in grammar_ids:
+        state, ids = requests[i].grammar, drafts[i]
+        depth = 0  # drafts the state has taken
+        for j in range(len(ids) + 1):
+            if j and depth == j - 1 and not state.is_terminated and state.accept(ids[j - 1]):
+                depth = j
+            if depth == j and not state.is_terminated:
+                state.fill_mask(packed, row)
+            row += 1
+        state.rollback(depth)
+    return TokenMasks(row_ids, packed)
 
 
 def _row_starts(drafts: Sequence[Sequence[int]]) -> list[int]:

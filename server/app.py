@@ -57,6 +57,7 @@ from server.metrics import (
     new_registry,
     read_snapshot,
 )
+from server.response_format import GrammarWorker
 from server.routes import ClientDisconnected, router, version
 from server.settings import Settings
 from server.token_text import TokenDecoder
@@ -85,6 +86,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.async_engine = None  # set once the engine serves
     state.tokens = None  # the TokenDecoder of the served tokenizer
     state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
+    state.grammar_worker = None  # compiles structured-output grammars (None: no tokenizer)
     state.load_error = None
     state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
@@ -137,6 +139,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await state.draining
         if state.prompt_tokenizer is not None:
             state.prompt_tokenizer.close()
+        if state.grammar_worker is not None:
+            state.grammar_worker.close()
 
 
 # Seconds the HTTP server waits for open responses past shutdown_timeout before it cancels them:
@@ -224,6 +228,8 @@ def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
         for_tokens, for_prompts = copies(tokenizer, 2)
         app.state.tokens = TokenDecoder(for_tokens)
         app.state.prompt_tokenizer = PromptTokenizer(for_prompts)
+    if async_engine.engine.grammars is not None:
+        app.state.grammar_worker = GrammarWorker(async_engine.engine.grammars)
     async_engine.start()
     app.state.async_engine = async_engine
     logger.info("serving %s as %r", app.state.settings.model, app.state.settings.model_name)

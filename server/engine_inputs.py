@@ -13,6 +13,7 @@ engine rejects. Mappings that are not one-to-one:
 - `speculation.enabled` -> `speculate`, `speculation.max_draft_tokens` -> `max_draft_tokens`
   (absent: speculate, no cap). `speculation.return_stats` is for the response builders:
   `wants_spec_stats`.
+- `response_format` json_object / json_schema -> `structured` (a `StructuredOutput`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def to_sampling_params(
         skip_special_tokens=req.skip_special_tokens is not False,
         speculate=speculation.enabled,
         max_draft_tokens=speculation.max_draft_tokens,
+        structured=req.response_format.structured() if req.response_format else None,
     )
 
 

@@ -3,7 +3,7 @@
 Types are strict: an integer field takes only a JSON integer (not 1.0, "1" or true), a boolean
 only true/false, a number no NaN or infinity. Unknown fields are tolerated (`extra="allow"`) and
 listed by `unknown_fields` so that the route can log them. OpenAI parameters this server does not
-implement (tools, functions, JSON response formats, audio, suffix, echo, best_of > n) are rejected
+implement (tools, functions, audio, suffix, echo, best_of > n) are rejected
 with a 400, never silently dropped. `parse_request` is the one validation path: any bad body
 leaves it as an `OpenAIError` 400 naming the offending field as `param`.
 
@@ -43,6 +43,7 @@ from server.request_checks import (
     reject_unsupported,
 )
 from server.request_limits import RequestLimits, limits_of, num_sequences_error
+from server.response_format import ResponseFormat
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's max_tokens for /v1/completions, absent or null
@@ -136,20 +137,6 @@ class Prediction(BaseModel):
     model_config = _STRICT
     type: Literal["content"]
     content: TextOrParts
-
-
-class ResponseFormat(BaseModel):
-    """`response_format`: only `{"type": "text"}`; structured output is not implemented."""
-
-    model_config = _STRICT
-    type: Literal["text"]
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _structured(cls, kind: Any) -> Any:
-        if kind in ("json_object", "json_schema"):
-            raise fail(f"response_format {kind!r} is not supported", "unsupported_value")
-        return kind
 
 
 class SpeculationOptions(BaseModel):
@@ -300,6 +287,7 @@ class CompletionRequest(_RequestBase):
     stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool | None = None
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None  # as chat's (vLLM accepts it here too)
 
     @field_validator("max_tokens")
     @classmethod

@@ -41,6 +41,7 @@ from server.response_builders import (
     build_chat_response,
     build_completion_response,
 )
+from server.response_format import GrammarWorker
 from server.responses import ModelCard, ModelList
 from server.streaming import (
     EngineStreams,
@@ -129,6 +130,7 @@ async def chat_completions(request: Request) -> Response:
     tokenizer: PromptTokenizer | None = state.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
+    await _compile(request, params)
     try:
         prompt_ids = await tokenizer.chat(prompt_of(req))
     except ValueError as e:
@@ -154,6 +156,7 @@ async def completions(request: Request) -> Response:
     req = await _parse(request, CompletionRequest)
     engine = _serving_engine(request)
     params = _sampling_params(req)
+    await _compile(request, params)
     prompts = prompt_of(req)
     # Completions always have a max_tokens: counting them needs no prompt length.
     _check_tokens(request, engine, params, [0] * len(prompts), "max_tokens")
@@ -205,6 +208,18 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampling
         return to_sampling_params(req, default_max_tokens=None)
     except ValueError as e:
         raise from_value_error(e, type(req).model_fields) from None
+
+
+async def _compile(request: Request, params: SamplingParams) -> None:
+    """A request's structured-output grammar, compiled off the loop and the engine thread."""
+    if params.structured is None:
+        return
+    worker: GrammarWorker | None = request.app.state.grammar_worker
+    if worker is None:
+        raise invalid_request(
+            "this model has no tokenizer: no structured outputs.", "response_format"
+        )
+    await worker.compile(params.structured)
 
 
 def _check_tokens(

@@ -12,7 +12,12 @@ from collections.abc import Mapping
 # Acceptance per draft source before a request has any history: lookups of a prompt's n-grams hit
 # about half the time on code and chat, a draft model of the same family more often, and a
 # client's prediction (an edit of its own text) most of the time.
-DEFAULT_PRIORS: Mapping[str, float] = {"ngram": 0.5, "draft_model": 0.6, "prediction": 0.8}
+DEFAULT_PRIORS: Mapping[str, float] = {
+    "ngram": 0.5,
+    "draft_model": 0.6,
+    "prediction": 0.8,
+    "grammar": 0.9,
+}
 # Each verify multiplies a request's past evidence by this (an EWMA over about 10 verifies), so a
 # request whose text turns predictable, or stops being so, is followed.
 ACCEPTANCE_DECAY = 0.9

@@ -39,3 +39,10 @@ def _draft_model(spec: SpeculativeConfig, context: Any) -> Proposer:
         spec.draft_min_confidence,
         vocab_size=engine.model_config.vocab_size,
     )
+
+
+@register_proposer("grammar")
+def _grammar(spec: SpeculativeConfig | None, context: Any) -> Proposer:
+    from engine.speculation.grammar import GrammarProposer
+
+    return GrammarProposer(context.engine.tokenizer)

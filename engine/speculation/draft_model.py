@@ -30,6 +30,7 @@ from engine.request import Request
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.speculation.proposer import Draft
+from engine.structured.masks import TokenMasks, mask_width, new_masks
 from engine.verifier import DRAFT_STREAM, sampling_row
 
 
@@ -202,7 +203,8 @@ class DraftModelProposer:
             ids = drafted[request.request_id][0]
             # The row for the draft's next position, history extended by the drafts so far.
             rows.append(sampling_row(request, ids, logits.device, DRAFT_STREAM))
-        processed = self.sampler.process(logits, rows)  # [num_active, draft_vocab]
+        masks = _grammar_masks(active, drafted, logits.shape[1])
+        processed = self.sampler.process(logits, rows, masks)  # [num_active, draft_vocab]
         # Padding rows of a draft vocabulary wider than the target's are ids the target cannot
         # emit: never draft them (q is then exactly what the draft samples from).
         processed[:, self.vocab_size :] = float("-inf")
@@ -232,3 +234,33 @@ class DraftModelProposer:
             return None
         probs = torch.stack(dists) if dists else None  # [k, vocab_size]
         return Draft(tuple(ids), self.name, probs)
+
+
+def _grammar_masks(
+    active: list[tuple[Request, int]],
+    drafted: dict[str, tuple[list[int], list[torch.Tensor]]],
+    draft_vocab: int,
+) -> TokenMasks | None:
+    """Masks for the active requests under a grammar: each with its state after the tokens it
+    drafted so far (rolled back after), so the draft proposes only what the grammar allows and q
+    is what it samples from. Width of the draft's vocabulary: ids past the target's are banned."""
+    row_ids = [i for i, (r, _) in enumerate(active) if r.grammar is not None]
+    if not row_ids:
+        return None
+    vocab_size = active[row_ids[0]][0].grammar.vocab_size
+    masks = new_masks(len(row_ids), vocab_size)  # [n, target words]
+    for row, i in enumerate(row_ids):
+        state, ids = active[i][0].grammar, drafted[active[i][0].request_id][0]
+        num = 0  # every drafted id was sampled under its mask: all are taken
+        while num < len(ids) and not state.is_terminated and state.accept(ids[num]):
+            num += 1
+        if num == len(ids) and not state.is_terminated:
+            state.fill_mask(masks, row)
+        state.rollback(num)
+    width = mask_width(draft_vocab)
+    if width != masks.shape[1]:
+        wide = torch.zeros(len(row_ids), width, dtype=torch.int32)
+        n = min(width, masks.shape[1])
+        wide[:, :n] = masks[:, :n]
+        masks = wide
+    return TokenMasks(row_ids, masks)

@@ -1,13 +1,15 @@
 """The speculator: which source would draft for each request (offers), and the drafts (propose).
 
-Requests that carry a prediction (OpenAI Predicted Outputs) draft from it first; the rest go
-through the configured chain in order ("ngram+draft_model": n-gram first, the draft model for
+Requests under a grammar (structured outputs) draft the text it forces first, then requests that
+carry a prediction (OpenAI Predicted Outputs) draft from it; the rest go through the configured
+chain in order ("ngram+draft_model": n-gram first, the draft model for
 the requests n-gram finds nothing for). Before the scheduler runs, `offer` names each decoding
 request's source; a lookup source (n-gram, prediction) drafts right there, so its offer holds the
 draft itself and its length bounds the grant. The scheduler asks the policy for each request's
 k and hands back an immutable SchedulerOutput; `propose` cuts the lookup drafts to their grants
 and runs the draft model for the rest. A draft model is lazy: it runs only for the requests that
-draft with it, catching up on what it missed in its first forward.
+draft with it, catching up on what it missed in its first forward. A lookup draft of a request
+under a grammar is cut where the grammar forbids a token (the verifier would reject it there).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Speculator:
             for name in (config.methods if config else ())
         ]
         self.prediction = make_proposer("prediction", spec=config, context=context)
+        self.grammar = make_proposer("grammar", spec=config, context=context)
         self.num_tokens = config.num_speculative_tokens if config else DEFAULT_PREDICTION_TOKENS
         self.policy = _make_policy(config, context, self.num_tokens, self.chain)
 
@@ -77,7 +80,9 @@ class Speculator:
         return offers
 
     def _offer(self, request: Request) -> DraftOffer | None:
-        sources = [self.prediction] if request.prediction_token_ids else []
+        sources: list[Proposer] = [self.grammar] if request.grammar is not None else []
+        if request.prediction_token_ids:
+            sources.append(self.prediction)
         if self.policy.mode == "off" and (sources or self.chain):
             # Nothing will be granted: the decision (mode_off) needs no lookup's draft.
             return DraftOffer((*sources, *self.chain)[0].name, self.num_tokens)
@@ -86,6 +91,8 @@ class Speculator:
                 behind = getattr(proposer, "num_behind", None)
                 return DraftOffer(proposer.name, self.num_tokens, behind(request) if behind else 0)
             draft = proposer.propose([request], [self.num_tokens])[0]
+            if draft is not None and request.grammar is not None:
+                draft = _within_grammar(request, draft)
             if draft is not None:
                 return DraftOffer(proposer.name, len(draft.token_ids), draft=draft)
         return None
@@ -94,7 +101,7 @@ class Speculator:
         """The drafts for the granted requests: lookups cut to their grants, model drafts made
         now (a proposer may fill fewer tokens than granted, or none)."""
         pairs = [(s.request, s.num_new_tokens) for s in schedule.scheduled]
-        for proposer in (self.prediction, *self.chain):
+        for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.prepare(pairs)
         drafts: dict[str, Draft] = {}
         by_model: dict[str, list[ScheduledRequest]] = {}
@@ -132,9 +139,17 @@ class Speculator:
         self.policy.observe(stats)
 
     def free(self, request: Request) -> None:
-        for proposer in (self.prediction, *self.chain):
+        for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
         self.policy.forget(request.request_id)
+
+
+def _within_grammar(request: Request, draft: Draft) -> Draft | None:
+    """The draft cut before the first token the request's grammar forbids (None if the first)."""
+    num_allowed = request.grammar.num_allowed(draft.token_ids)
+    if num_allowed == len(draft.token_ids):
+        return draft
+    return replace(draft, token_ids=draft.token_ids[:num_allowed]) if num_allowed else None
 
 
 def shadow_result(s: ScheduledRequest, first_token: int) -> VerifyResult | None:

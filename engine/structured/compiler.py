@@ -11,13 +11,19 @@ kept).
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine.errors import InvalidRequestError
+from engine.structured.masks import mask_width
+from engine.structured.schema_check import schemas_in_structural_tag, unenforced_keyword
 from engine.structured.spec import StructuredOutput
 
 # Distinct constraints kept compiled (a compiled grammar is kilobytes to a few megabytes).
@@ -26,6 +32,18 @@ DEFAULT_CACHE_SIZE = 256
 _LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 # JSON separators of every constrained output: compact, and no whitespace anywhere else.
 SEPARATORS = (", ", ": ")
+# Bytes no token of a constrained output may hold: JSON allows no raw control character (in a
+# string it must be escaped), and tool-call tags need only the newline. xgrammar's rule for
+# length-bounded strings lets them through, so every grammar's masks are also ANDed with this.
+_CONTROL_BYTES = frozenset(range(0x20)) - {0x0A}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled constraint: the xgrammar grammar, and the tokens no output may hold."""
+
+    grammar: Any  # xgrammar.CompiledGrammar
+    allowed: torch.Tensor  # [mask_width(vocab)] int32 packed: tokens free of control bytes
 
 
 class GrammarCompiler:
@@ -44,19 +62,22 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._compiler: Any = None  # built on first use: the tokenizer scan takes ~0.5 s
+        # Built on first use (the tokenizer scan takes ~0.5 s at a 150k vocabulary).
+        self._compiler: tuple[Any, torch.Tensor] | None = None
 
-    def compile(self, structured: StructuredOutput, param: str = "response_format") -> Any:
-        """The compiled grammar (an xgrammar CompiledGrammar). A schema xgrammar rejects (an
-        unsupported feature, an invalid schema) raises InvalidRequestError naming `param`."""
+    def compile(
+        self, structured: StructuredOutput, param: str = "response_format"
+    ) -> CompiledGrammar:
+        """The compiled grammar. A schema xgrammar rejects (an unsupported feature, an invalid
+        schema) raises InvalidRequestError naming `param`."""
         with self._lock:
             compiled = self._cache.get(structured)
             if compiled is not None:
                 self._cache.move_to_end(structured)
                 return compiled
-        compiler = self._xgrammar_compiler()
+        compiler, allowed = self._xgrammar_compiler()
         try:
-            compiled = _compile(compiler, structured)
+            compiled = CompiledGrammar(_compile(compiler, structured), allowed)
         except (RuntimeError, ValueError, TypeError) as e:
             message = _LOCATION.sub("", str(e).strip()).splitlines()[0] if str(e) else repr(e)
             raise InvalidRequestError(
@@ -73,7 +94,7 @@ class GrammarCompiler:
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _xgrammar_compiler(self) -> Any:
+    def _xgrammar_compiler(self) -> tuple[Any, torch.Tensor]:
         with self._lock:
             if self._compiler is None:
                 import xgrammar
@@ -84,11 +105,39 @@ class GrammarCompiler:
                     stop_token_ids=list(self.stop_token_ids) or None,
                 )
                 # Our own LRU caches results; xgrammar's cache would keep every schema forever.
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._compiler = (
+                    compiler,
+                    _without_control_bytes(info.decoded_vocab, self.vocab_size),
+                )
             return self._compiler
 
 
+def _without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """[mask_width(vocab_size)] int32 packed: the tokens whose bytes hold no control byte (ids
+    past the decoded vocabulary stay allowed: the grammar's own mask rules them out)."""
+    width = mask_width(vocab_size)
+    bits = torch.ones(width * 32, dtype=torch.int64)
+    bits[: len(decoded_vocab)] = torch.tensor(
+        [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab], dtype=torch.int64
+    )
+    words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
+
+
+def _check_enforceable(structured: StructuredOutput) -> None:
+    if structured.kind == "json_object":
+        return
+    value = json.loads(structured.spec)
+    schemas = [value] if structured.kind == "json_schema" else schemas_in_structural_tag(value)
+    for schema in schemas:
+        found = unenforced_keyword(schema)
+        if found:
+            raise ValueError(f"it uses {found}, which structured outputs cannot enforce")
+
+
 def _compile(compiler: Any, structured: StructuredOutput) -> Any:
+    _check_enforceable(structured)
     if structured.kind == "json_object":
         # Any object; non-strict, so that its keys are free.
         return compiler.compile_json_schema(

@@ -1,42 +1,22 @@
-"""`GrammarState`: one sequence's position in its compiled grammar.
-
-Token masks are xgrammar's packed bitmasks: int32 words, bit b of word w allows token 32 w + b.
-`unpack_masks` turns rows of them into a boolean [rows, vocab] mask with plain torch on any
-device, so the sampler needs no grammar library.
-"""
+"""`GrammarState`: one sequence's position in its compiled grammar (masks: see `masks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-
-def mask_width(vocab_size: int) -> int:
-    """int32 words per packed mask row."""
-    return (vocab_size + 31) // 32
-
-
-def new_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """[num_rows, mask_width] int32 on the host, every token allowed."""
-    return torch.full((num_rows, mask_width(vocab_size)), -1, dtype=torch.int32)
-
-
-def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """packed [n, words] int32 -> [n, vocab_size] bool, True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)  # [32]
-    bits = (packed.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
-    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
+from engine.structured.compiler import CompiledGrammar
 
 
 class GrammarState:
     """A matcher over one compiled grammar that follows a sequence's output token by token."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int) -> None:
         import xgrammar
 
-        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._matcher = xgrammar.GrammarMatcher(compiled.grammar)
+        self._allowed = compiled.allowed  # [words] int32: what no grammar lets through is out
         self.vocab_size = vocab_size
 
     @property
@@ -47,6 +27,7 @@ class GrammarState:
     def fill_mask(self, masks: torch.Tensor, index: int) -> None:
         """Write the tokens allowed next into row `index` of host masks [n, words] int32."""
         self._matcher.fill_next_token_bitmask(masks, index)
+        masks[index] &= self._allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) if the grammar forbids it."""

@@ -86,7 +86,7 @@ def _bad_inputs() -> list[tuple[str, str, Any, int]]:
         ("stream-string", chat, cp(stream="yes"), 400),
         ("stream-options-alone", chat, cp(stream_options={"include_usage": True}), 400),
         ("tools", chat, cp(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-        ("json-mode", chat, cp(response_format={"type": "json_object"}), 400),
+        ("json-schema-without-schema", chat, cp(response_format={"type": "json_schema"}), 400),
         ("prompt-too-long", chat, msg({"role": "user", "content": "word " * 600}), 400),
         (
             "stream-prompt-too-long",
