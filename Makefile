@@ -105,8 +105,8 @@ bench-grammar: $(VENV)/.models $(VENV)/.bench
 # greedy — no grammar, grammar with speculation off, grammar with the grammar's forced text then
 # n-gram drafted (mode auto) — decode tokens/s, the speedup, the grammar's cost per token, and
 # that outputs are token-identical with and without speculation and valid against their schemas
-# (bench/structured.py; about 10 min on 2 CPU cores). Writes bench/results/structured.json.
-# ARGS=--smoke: SmolLM2-135M, two cases, 48 tokens.
+# (bench/structured.py; about 15 min on 2 CPU cores, plus the policy's one-time calibration).
+# Writes bench/results/structured.json. ARGS=--smoke: SmolLM2-135M, two cases, 192 tokens.
 bench-structured: $(VENV)/.models
 	$(PY) bench/structured.py $(ARGS)
 

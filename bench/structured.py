@@ -1,7 +1,6 @@
-"""Structured outputs with speculation on and off, side by side in one run: decode tokens/s of
-json_schema output and the grammar's cost per token.
+"""Structured outputs, side by side in one run: json_schema tokens/s, speculation on and off.
 
-The schema-heavy extraction cases of bench/structured_workload.py (a paragraph, a schema with
+Decode tokens/s of json_schema output and the grammar's cost per token. The schema-heavy extraction cases of bench/structured_workload.py (a paragraph, a schema with
 many keys, nested objects, arrays of objects and enums), chat-templated, batch 1, greedy, three
 modes on the same prompts:
 
@@ -9,19 +8,24 @@ modes on the same prompts:
   so that cost is compared per token: ms/token of `grammar` minus ms/token of `free`);
 - grammar: `SamplingParams(structured=StructuredOutput.json_schema(...))`, speculation off;
 - grammar_spec: the same with speculation on: the grammar's forced text (keys, punctuation,
-  closing brackets, the rest of an enum value) drafted first, then --method (n-gram).
+  closing brackets, the rest of an enum value) drafted first, then --method (n-gram; or a
+  chain with the draft model, e.g. ngram+draft_model).
 
 Two engines are loaded at once (speculation mode "off", and --spec-mode), and the modes alternate
 per case and round, so drift hits them alike; each grammar is compiled in a warm-up first.
 Decode speed leaves the prompt out as bench/spec.py does: a 1-token and a full generation of each
 prompt, (n - 1) / (t_n - t_1), medians over rounds, prefix caching off. Reports tokens/s per mode,
 grammar_spec / grammar, the grammar's ms per token, that grammar and grammar_spec outputs are
-token-identical (speculation is lossless: with the default dtype, float32 activations, exactly)
+token-identical (speculation is lossless: exactly so with float32 activations, the default dtype
+on a CPU)
 and that every finished grammar output is JSON valid against its schema (jsonschema). Exits 1
 after writing the results if either check fails.
 
     python bench/structured.py [--rounds 2] [--max-tokens 512] [--k 8] [--spec-mode auto]
-    python bench/structured.py --smoke    # SmolLM2-135M, two cases, 48 tokens: under a minute
+    python bench/structured.py --smoke    # SmolLM2-135M, two cases, 192 tokens: a few minutes
+
+Speculation mode "auto" calibrates the policy's step-time model on its first run on a machine
+(cached under ~/.cache/specserve/calibration, per thread count): run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -57,11 +61,13 @@ from engine.structured import StructuredOutput  # noqa: E402
 from engine.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.structured")
-SMOKE = {"model": "smollm2-135m-instruct", "cases": 2, "max_tokens": 48, "rounds": 1}
+SMOKE = {"model": "smollm2-135m-instruct", "cases": 2, "max_tokens": 192, "rounds": 1}
 
 
 def build_llm(args: argparse.Namespace, spec_mode: str) -> LLM:
     config = {"method": args.method, "num_speculative_tokens": args.k, "mode": spec_mode}
+    if "draft_model" in args.method.split("+"):
+        config["model"] = args.draft_model
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -146,6 +152,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--method", default="ngram", help="the proposer chain after the grammar")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--spec-mode", default="auto", choices=("always", "auto"))
     parser.add_argument("--max-tokens", type=int, default=512)
