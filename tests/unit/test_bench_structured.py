@@ -24,6 +24,12 @@ def test_cases_are_distinct_and_their_references_match_their_schemas():
         assert '"enum"' in text and text.count('"type": "object"') >= 2, case.name
 
 
+def test_the_engine_enforces_every_keyword_of_the_schemas():
+    from engine.structured.schema_check import unenforced_keyword
+
+    assert [unenforced_keyword(case.schema) for case in W.CASES] == [None] * len(W.CASES)
+
+
 def test_a_reference_with_a_key_missing_or_added_is_invalid():
     case = W.CASES[0]
     first = next(iter(case.reference))
