@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers \
-	bench-reliability clean
+	bench-reliability bench-grammar bench-structured clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,22 @@ bench-peers: $(VENV)/.models
 # cores). Writes bench/results/reliability.json. ARGS=--short: the same at small scale.
 bench-reliability: $(VENV)/.installed
 	$(PY) bench/reliability.py $(ARGS)
+
+# The structured-output grammar library: xgrammar against llguidance at the Qwen vocabulary —
+# tokenizer preprocessing, schema compile, per-token mask + advance, rollback — over the schemas
+# of bench/structured_workload.py (bench/grammar_mask.py; about a minute). Writes
+# bench/results/grammar_mask.json. ARGS=--smoke: one round.
+bench-grammar: $(VENV)/.models $(VENV)/.bench
+	$(PY) bench/grammar_mask.py $(ARGS)
+
+# Structured outputs on the 1.5B: json_schema output of the schema-heavy extraction cases, batch 1,
+# greedy — no grammar, grammar with speculation off, grammar with the grammar's forced text then
+# n-gram drafted (mode auto) — decode tokens/s, the speedup, the grammar's cost per token, and
+# that outputs are token-identical with and without speculation and valid against their schemas
+# (bench/structured.py; about 15 min on 2 CPU cores, plus the policy's one-time calibration).
+# Writes bench/results/structured.json. ARGS=--smoke: SmolLM2-135M, two cases, 192 tokens.
+bench-structured: $(VENV)/.models
+	$(PY) bench/structured.py $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
