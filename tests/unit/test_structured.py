@@ -6,8 +6,8 @@ tokenizer (tests/tiny_tokenizers.py) padded to a 40-id model vocabulary.
   given param; the cache returns one object per constraint, evicts the least recently used, and
   serves threads compiling at once.
 - GrammarState: the mask is exactly what accept() takes, minus the tokens no output may hold
-  (raw control bytes); num_allowed and rollback leave the state as it was; forced_text is the
-  text only one way continues with.
+  (raw control bytes, special tokens the detokenizer skips); num_allowed and rollback leave the
+  state as it was; forced_text is the text only one way continues with.
 - verifier.grammar_masks: row j is the mask after j drafts, rows past a forbidden draft stay
   all-allowed, and the states are back where they were.
 """
@@ -37,6 +37,7 @@ NUM_TOKENS = len(TOKENIZER)
 VOCAB = NUM_TOKENS + 3
 EOS = 2
 CONTROL_PIECES = ["\t", "\x01", "\x1f", "a\t"]
+SPECIAL_PIECES = ["<unk>", "<s>"]  # specials besides the end: the detokenizer drops them
 ENUM_SCHEMA = {
     "type": "object",
     "properties": {"k": {"enum": ["a", "ab", "b", "ba", "bb"]}},
@@ -208,7 +209,7 @@ def _walk(compiler: GrammarCompiler) -> list[tuple[StructuredOutput, list[int]]]
 
 def test_the_mask_is_what_accept_takes_less_the_banned_tokens(compiler) -> None:
     banned = torch.zeros(VOCAB, dtype=torch.bool)
-    banned[_ids(*CONTROL_PIECES)] = True
+    banned[_ids(*CONTROL_PIECES, *SPECIAL_PIECES)] = True
     num_multi = 0
     for structured, prefix in _walk(compiler):
         state = _state(compiler, structured)
@@ -221,19 +222,20 @@ def test_the_mask_is_what_accept_takes_less_the_banned_tokens(compiler) -> None:
     assert num_multi >= 10  # most states allow several tokens
 
 
-def test_control_bytes_are_never_allowed(compiler) -> None:
-    """Inside a length-bounded string xgrammar itself takes raw control characters: the static
-    ban removes them, and keeps the newline and the end."""
+def test_control_bytes_and_skipped_specials_are_never_allowed(compiler) -> None:
+    """Inside a length-bounded string xgrammar itself takes raw control characters and special
+    tokens (as their literal text, which the detokenizer would skip): the static ban removes
+    them, and keeps the newline and the end."""
     bounded = StructuredOutput.json_schema({"type": "string", "maxLength": 6})
     state = _state(compiler, bounded)
     assert state.accept(_ids('"')[0])
     taken = _accepted(state)
-    assert taken[_ids(*CONTROL_PIECES)].all()
+    assert taken[_ids(*CONTROL_PIECES)].all() and taken[_ids(*SPECIAL_PIECES)].all()
     for structured, prefix in _walk(compiler):
         state = _state(compiler, structured)
         assert all(state.accept(t) for t in prefix)
         mask = _mask(state)
-        assert not mask[_ids(*CONTROL_PIECES)].any(), prefix
+        assert not mask[_ids(*CONTROL_PIECES, *SPECIAL_PIECES)].any(), prefix
     compiled = compiler.compile(ENUM)
     allowed = unpack_masks(compiled.allowed.unsqueeze(0), VOCAB)[0]
     assert allowed[_ids("\n", "a", '{"k": "')].all() and allowed[EOS]
