@@ -73,3 +73,38 @@ def metaspace_bpe(corpus: Sequence[str], vocab_size: int) -> PreTrainedTokenizer
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+# A 32-token vocabulary of JSON pieces, built by hand (no training, so every id is known): the
+# specials, single characters, and merges whose results are multi-character pieces. Encoding is
+# plain BPE over the whole text (no pre-tokenizer), and token strings are the text itself.
+JSON_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: unk, bos, eos (the tiny models' ids)
+JSON_CHARS = list('{}":, kab12[]nultre')
+JSON_MERGES = [
+    ("{", '"'),
+    ("k", '"'),
+    (":", " "),
+    (": ", '"'),
+    ('{"', 'k"'),
+    ('{"k"', ': "'),
+    ("a", "b"),
+    ("b", "a"),
+    ("b", "b"),
+    ('"', "}"),
+]
+
+
+def json_pieces(
+    chars: Sequence[str] = JSON_CHARS, merges: Sequence[tuple[str, str]] = JSON_MERGES
+) -> PreTrainedTokenizerFast:
+    """A hand-built BPE over JSON pieces: ids are JSON_SPECIALS, then `chars`, then one token per
+    merge (by default 32 tokens, where '{"k": "ab"}' is ['{"k": "', 'ab', '"}'])."""
+    pieces = [*JSON_SPECIALS, *chars, *(a + b for a, b in merges)]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    assert len(vocab) == len(pieces), "a piece is listed twice"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token="<unk>"))
+    tok.add_special_tokens(JSON_SPECIALS)
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

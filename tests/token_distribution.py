@@ -1,11 +1,14 @@
 """Exact distributions of the first generated tokens of a tiny model, and a chi-square test of
-sampled continuations against them. Used by the end-to-end speculative decoding distribution
-tests (tests/integration/test_spec_distribution.py).
+sampled continuations against them, and the sampling loop that draws the continuations from an
+engine. Used by the end-to-end speculative decoding distribution tests
+(tests/integration/test_spec_distribution.py, and test_spec_distribution_grammar.py under a
+grammar).
 
 The exact law of the first `depth` tokens is a tree: P(t_1) P(t_2 | t_1) ... Every node's
 distribution comes from transformers (the HF model run on prompt + prefix) processed by
 `engine.sampler_reference.process_reference` with the prefix as the row's output, so penalties
-advance token by token exactly as the engine's contract says.
+advance token by token exactly as the engine's contract says (and, under a grammar, with the
+tokens the grammar allows after the prefix as the row's mask).
 
 The test is Pearson's chi-square taken node by node (a "sequential" chi-square): for position i
 and every observed prefix c of length i - 1, the next-token counts of the n_c samples with that
@@ -22,16 +25,21 @@ from __future__ import annotations
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chi2
 
+from engine.outputs import OutputAccumulator
 from engine.sampler import SamplingRow
 from engine.sampler_reference import process_reference
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
 
 MIN_EXPECTED = 5.0
 
@@ -73,15 +81,66 @@ def processed_probs(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     eos_token_ids: Sequence[int],
+    allowed: Mapping[Prefix, torch.Tensor | None] | None = None,
 ) -> dict[Prefix, torch.Tensor]:
     """prefix -> float64 [vocab] distribution of the next token after processing with params,
-    the prefix being the row's output so far."""
+    the prefix being the row's output so far. `allowed` (prefix -> [vocab] bool, a grammar's
+    mask; None: no grammar): a prefix mapped to None is one the grammar never lets out, and gets
+    all zeros (any sample that reaches it fell outside the support one token earlier)."""
     probs = {}
     for prefix, row_logits in logits.items():
+        mask = allowed[prefix] if allowed is not None else None
+        if allowed is not None and mask is None:
+            probs[prefix] = torch.zeros(row_logits.shape, dtype=torch.float64)
+            continue
         row = SamplingRow(params, list(prompt_ids), list(prefix), None)
-        processed = process_reference(row_logits, row, eos_token_ids=eos_token_ids)
+        processed = process_reference(row_logits, row, eos_token_ids=eos_token_ids, allowed=mask)
         probs[prefix] = processed.double().softmax(dim=0)
     return probs
+
+
+def sample_first_tokens(
+    engine: LLMEngine,
+    params: SamplingParams,
+    prompt: Sequence[int],
+    predictions: Sequence[Sequence[int] | None],
+    num_samples: int,
+    first_seed: int,
+    *,
+    depth: int,
+    group_size: int,
+) -> list[list[int]]:
+    """The first `depth` tokens (fewer where an output ended sooner) of num_samples
+    continuations: requests of group_size sequences (SamplingParams.n, sequence i of group g
+    seeded first_seed + g * group_size + i), in waves of max_num_seqs in flight together. A
+    wave steps in lockstep, so most steps have one query length, which the torch attention
+    backend runs as one batched call instead of one call per request. Group g predicts
+    predictions[g % len(predictions)]; alternate waves stop at depth and at depth + 1 tokens,
+    so that the last positions are verified both with a bonus token and with one more draft."""
+    assert num_samples % group_size == 0
+    samples: list[list[int]] = []
+    whole = OutputAccumulator()
+    groups_per_wave = engine.config.max_num_seqs // group_size
+    num_groups = num_samples // group_size
+    for g in range(num_groups):
+        group_params = replace(
+            params,
+            n=group_size,
+            seed=first_seed + g * group_size,  # sequence i of the group gets seed + i
+            max_tokens=depth + (g // groups_per_wave) % 2,
+            ignore_eos=True,
+        )
+        engine.add_request(
+            str(g), list(prompt), group_params, prediction=predictions[g % len(predictions)]
+        )
+        if (g + 1) % groups_per_wave == 0 or g + 1 == num_groups:
+            while engine.has_unfinished_requests():
+                for output in whole.add_step(engine.step()):
+                    samples.extend(list(c.token_ids[:depth]) for c in output.outputs)
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+    assert len(samples) == num_samples
+    return samples
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ class CompiledGrammar:
     """A compiled constraint: the xgrammar grammar, and the tokens no output may hold."""
 
     grammar: Any  # xgrammar.CompiledGrammar
-    allowed: torch.Tensor  # [mask_width(vocab)] int32 packed: tokens free of control bytes
+    # [mask_width(vocab)] int32 packed: tokens free of control bytes, and no special token but
+    # the stop tokens
+    allowed: torch.Tensor
 
 
 class GrammarCompiler:
@@ -106,21 +108,37 @@ class GrammarCompiler:
                 )
                 # Our own LRU caches results; xgrammar's cache would keep every schema forever.
                 compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                # xgrammar takes a special token as its literal text ("<|im_start|>" inside a
+                # string), but the detokenizer skips special tokens: the output would lack text
+                # the grammar counted. Only the stop tokens (the grammar's end) stay.
+                specials = _special_token_ids(self._tokenizer) - set(self.stop_token_ids)
                 self._compiler = (
                     compiler,
-                    _without_control_bytes(info.decoded_vocab, self.vocab_size),
+                    _allowed_tokens(info.decoded_vocab, self.vocab_size, specials),
                 )
             return self._compiler
 
 
-def _without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
-    """[mask_width(vocab_size)] int32 packed: the tokens whose bytes hold no control byte (ids
-    past the decoded vocabulary stay allowed: the grammar's own mask rules them out)."""
+def _special_token_ids(tokenizer: Any) -> set[int]:
+    """The ids `decode(..., skip_special_tokens=True)` drops: the named special tokens and
+    every added token marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return ids | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def _allowed_tokens(
+    decoded_vocab: Sequence[bytes], vocab_size: int, banned_ids: set[int]
+) -> torch.Tensor:
+    """[mask_width(vocab_size)] int32 packed: the tokens whose bytes hold no control byte and
+    whose id is not banned (ids past the decoded vocabulary stay allowed: the grammar's own mask
+    rules them out)."""
     width = mask_width(vocab_size)
     bits = torch.ones(width * 32, dtype=torch.int64)
     bits[: len(decoded_vocab)] = torch.tensor(
         [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab], dtype=torch.int64
     )
+    bits[[i for i in banned_ids if 0 <= i < vocab_size]] = 0
     words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
 

@@ -33,7 +33,6 @@ import torch
 import engine.verifier as verifier
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
-from engine.outputs import OutputAccumulator
 from engine.speculation import rejection
 from tests.conftest import build_tiny_model
 from tests.token_distribution import (
@@ -41,6 +40,7 @@ from tests.token_distribution import (
     edit_lm_head,
     prefix_logits,
     processed_probs,
+    sample_first_tokens,
     tree_chisquare,
 )
 
@@ -196,31 +196,18 @@ def _sample(
     first_seed: int,
 ) -> list[list[int]]:
     """The first DEPTH tokens of num_samples continuations, in waves of MAX_NUM_SEQS in flight
-    together. A wave steps in lockstep, so most steps have one query length, which the torch
-    attention backend runs as one batched call instead of one call per request."""
-    assert num_samples % GROUP_SIZE == 0
-    samples: list[list[int]] = []
-    whole = OutputAccumulator()
-    groups_per_wave = MAX_NUM_SEQS // GROUP_SIZE
-    num_groups = num_samples // GROUP_SIZE
-    for g in range(num_groups):
-        group_params = replace(
-            params,
-            n=GROUP_SIZE,
-            seed=first_seed + g * GROUP_SIZE,  # sequence i of the group gets seed + i
-            # 3 verifies 1 draft and a bonus at tokens 2-3; 4 verifies 2 drafts there.
-            max_tokens=DEPTH + (g // groups_per_wave) % 2,
-            ignore_eos=True,
-        )
-        engine.add_request(
-            str(g), prompt, group_params, prediction=predictions[g % len(predictions)]
-        )
-        if (g + 1) % groups_per_wave == 0 or g + 1 == num_groups:
-            while engine.has_unfinished_requests():
-                for output in whole.add_step(engine.step()):
-                    samples.extend(c.token_ids[:DEPTH] for c in output.outputs)
-    engine.block_manager.check_integrity()
-    assert engine.block_manager.num_used_blocks == 0
+    together (half the waves stop at DEPTH tokens: 1 draft and a bonus at tokens 2-3; half at
+    DEPTH + 1: 2 drafts there)."""
+    samples = sample_first_tokens(
+        engine,
+        params,
+        prompt,
+        predictions,
+        num_samples,
+        first_seed,
+        depth=DEPTH,
+        group_size=GROUP_SIZE,
+    )
     assert len(samples) == num_samples and all(len(s) == DEPTH for s in samples)
     return samples
 

@@ -233,3 +233,20 @@ def test_a_schema_the_grammar_cannot_use_names_it(chat_model) -> None:
         llm.engine.add_request("x", "hi", SamplingParams(structured=bad))
     assert e.value.param == "response_format"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_special_tokens_are_not_taken_as_their_text(chat_model) -> None:
+    """xgrammar takes a special token inside a JSON string as its literal text, but the
+    detokenizer skips special tokens: a model keen on <|endoftext|> (id 0, not an end token)
+    would get '""' past a grammar that counted 13 characters in it. Only the end token may be
+    special."""
+    llm = _llm(chat_model, None)
+    tokenizer = llm.get_tokenizer()
+    quote = tokenizer.convert_tokens_to_ids('"')
+    schema = {"type": "string", "minLength": 13, "maxLength": 13}
+    params = _params(schema, temperature=0.0, logit_bias={quote: 50.0, 0: 100.0})
+    (completion,), _ = _generate(llm, [params, _params(SCHEMAS[1], temperature=0.0)])
+    ids, text, reason = completion
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    assert not set(ids[:-1]) & set(tokenizer.all_special_ids), ids
