@@ -13,8 +13,9 @@ modes on the same prompts:
 
 Two engines are loaded at once (speculation mode "off", and --spec-mode), and the modes alternate
 per case and round, so drift hits them alike; each grammar is compiled in a warm-up first.
-Decode speed leaves the prompt out as bench/spec.py does: a 1-token and a full generation of each
-prompt, (n - 1) / (t_n - t_1), medians over rounds, prefix caching off. Reports tokens/s per mode,
+Decode speed leaves the prompt out: each generation is timed at its first token (the prefill) and
+at its end, (n - 1) / (t_end - t_first) in the same run, medians over rounds, prefix caching
+off. Reports tokens/s per mode,
 grammar_spec / grammar, the grammar's ms per token, that grammar and grammar_spec outputs are
 token-identical (speculation is lossless: exactly so with float32 activations, the default dtype
 on a CPU)
@@ -38,7 +39,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "bench") not in sys.path:  # already first when run as a script
@@ -57,6 +57,7 @@ from structured_report import (  # noqa: E402
 from structured_workload import CASES, Case  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.outputs import OutputAccumulator  # noqa: E402
 from engine.structured import StructuredOutput  # noqa: E402
 from engine.tokenizer import apply_chat_template  # noqa: E402
 
@@ -84,19 +85,26 @@ def params(case: Case, mode: str, max_tokens: int) -> SamplingParams:
 
 
 def measure(llm: LLM, prompt: list[int], case: Case, mode: str, max_tokens: int) -> dict:
-    """One timed 1-token and one full generation of `prompt`: seconds and the output."""
-
-    def timed(n: int) -> tuple[float, Any]:
-        start = time.perf_counter()
-        out = llm.generate([prompt], params(case, mode, n))[0].outputs[0]
-        return time.perf_counter() - start, out
-
-    t_one, _ = timed(1)
-    t_all, out = timed(max_tokens)
+    """One generation of `prompt`, timed at its first token and at its end: decode seconds are
+    the time between them, in the same run (a separate 1-token run would bring its own prefill
+    time, which varies by seconds between runs on a small CPU)."""
+    engine = llm.engine
+    request_id = f"bench-{case.name}-{mode}-{time.monotonic_ns()}"
+    accumulator = OutputAccumulator()
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params(case, mode, max_tokens))
+    first, whole = None, None
+    while whole is None:
+        for delta in engine.step():
+            if first is None and delta.outputs[0].token_ids:
+                first = time.perf_counter()
+            whole = accumulator.add(delta) or whole
+    end = time.perf_counter()
+    out = whole.outputs[0]
     stats = out.spec_stats
     return {
-        "t_one": t_one,
-        "t_all": t_all,
+        "t_one": (first or end) - start,  # to the first token: the prompt's prefill
+        "t_all": end - start,
         "token_ids": list(out.token_ids),
         "text": out.text,
         "finish_reason": out.finish_reason,

@@ -1,9 +1,9 @@
 """bench/structured.py's checks and report, free of I/O and of the engine so tests can hold them:
 an output against its schema, where two greedy outputs part, the per-mode figures and the table.
 
-`results` maps (case, mode) to one measurement: `token_ids`, `t_one` and `t_all` (seconds of a
-1-token and of the full generation), `finish_reason`, the checks' fields and the speculation
-counters.
+`results` maps (case, mode) to one measurement: `token_ids`, `t_one` and `t_all` (seconds from
+the request to its first token and to its end, in one run), `finish_reason`, the checks' fields
+and the speculation counters.
 """
 
 from __future__ import annotations
