@@ -259,7 +259,7 @@ def _grammar_masks(
         state.rollback(num)
     width = mask_width(draft_vocab)
     if width != masks.shape[1]:
-        wide = torch.zeros(len(row_ids), width, dtype=torch.int32)
+        wide = torch.zeros(len(row_ids), width, dtype=torch.int32, device="cpu")  # host, as masks
         n = min(width, masks.shape[1])
         wide[:, :n] = masks[:, :n]
         masks = wide

@@ -134,12 +134,12 @@ def _allowed_tokens(
     whose id is not banned (ids past the decoded vocabulary stay allowed: the grammar's own mask
     rules them out)."""
     width = mask_width(vocab_size)
-    bits = torch.ones(width * 32, dtype=torch.int64)
+    bits = torch.ones(width * 32, dtype=torch.int64, device="cpu")
     bits[: len(decoded_vocab)] = torch.tensor(
-        [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab], dtype=torch.int64
+        [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab], dtype=torch.int64, device="cpu"
     )
     bits[[i for i in banned_ids if 0 <= i < vocab_size]] = 0
-    words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64, device="cpu")).sum(dim=1)
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
 
 

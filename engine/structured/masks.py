@@ -35,7 +35,7 @@ def mask_width(vocab_size: int) -> int:
 
 def new_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, mask_width] int32 on the host, every token allowed."""
-    return torch.full((num_rows, mask_width(vocab_size)), -1, dtype=torch.int32)
+    return torch.full((num_rows, mask_width(vocab_size)), -1, dtype=torch.int32, device="cpu")
 
 
 def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -6,9 +6,9 @@ truncation, `engine/sampler.py`), renormalised. The first 3 generated tokens of 
 continuations under a JSON schema follow it (chi-square p > 0.001, tested node by node along the
 prefix tree with the helpers of test_spec_distribution.py, tests/token_distribution.py), with
 every draft source a grammar request meets: the grammar's own forced text (one-hot drafts, first
-in every chain), then a draft model (drafts with a distribution q that knows no grammar: the
-drafts it forbids have p = 0 and are always rejected) or n-gram lookup (one-hot, cut where the
-grammar forbids a token). Each source verified drafts, kept some and rejected some. Deliberately
+in every chain), then a draft model (drafts with a distribution q, itself masked by the state
+its drafts reach, so it drafts only what the grammar allows) or n-gram lookup (one-hot, cut where
+the grammar forbids a token). Each source verified drafts, kept some and rejected some. Deliberately
 broken rules are caught (p < 1e-6, by the chi-square itself, not only by samples outside the
 support): verify rows masked with the state before the drafts, and forced text kept without
 verification.
@@ -37,7 +37,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import engine.verifier as verifier
 from engine import LLM, SamplingParams
@@ -83,12 +82,8 @@ ARCH = dict(
     num_key_value_heads=2,
 )
 LM_HEAD_SCALE = 3.0
-DRAFT_NOISE = 0.5
-DRAFT_BIAS = 2.0
-CONSTANT = 0.3  # hidden dimension 0 of every position (see _build)
+DRAFT_NOISE = 2.0
 # The pieces the schema's documents are made of (the rest of the vocabulary never appears).
-DOCUMENT_PIECES = ["{", '{"', '{"k"', '{"k": "', '"', "k", 'k"', ":", ": ", ': "', "a", "b"]
-DOCUMENT_PIECES += ["ab", "ba", "bb", '"}', "}"]
 SCHEMA = {
     "type": "object",
     "properties": {"k": {"enum": ["a", "ab", "b", "ba", "bb"]}},
@@ -131,26 +126,11 @@ class Setup:
     raw_logits: dict[Prefix, torch.Tensor]
 
 
-def _build(path: Path, noise: float = 0.0, bias: float = 0.0) -> Path:
-    """The tiny model, its LM head sharpened (and noisy for a draft), with hidden dimension 0 held
-    at a constant that no layer reads or writes: the head's column 0 is then a per-token logit
-    bias, and `bias` is added to it for the pieces of the schema's documents (DOCUMENT_PIECES).
-    The tokenizer is saved beside it."""
+def _build(path: Path, noise: float = 0.0) -> Path:
+    """The tiny model, its LM head sharpened (and noisy for a draft); the tokenizer beside it."""
     build_tiny_model(path, "llama", seed=11, **ARCH)
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    tensors["model.embed_tokens.weight"][:, 0] = CONSTANT
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        tensors[f"model.layers.0.{name}.weight"][0] = 0.0  # not read
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        tensors[f"model.layers.0.{name}.weight"][0] = 0.0  # not written
-    save_file(tensors, file, metadata={"format": "pt"})
     edit_lm_head(path, LM_HEAD_SCALE, noise, seed=12)
-    tensors = load_file(file)
-    tokenizer = json_pieces()
-    tensors["lm_head.weight"][tokenizer.convert_tokens_to_ids(DOCUMENT_PIECES), 0] += bias
-    save_file(tensors, file, metadata={"format": "pt"})
-    tokenizer.save_pretrained(path)
+    json_pieces().save_pretrained(path)
     return path
 
 
@@ -159,12 +139,10 @@ def setup(tmp_path_factory) -> Setup:
     from transformers import AutoModelForCausalLM
 
     target = _build(tmp_path_factory.mktemp("grammar-dist-target"))
-    # The draft is the target with a noisy head that prefers the pieces of JSON documents: it
-    # knows no grammar, so it still drafts tokens the grammar forbids (always rejected), but
-    # also many it allows (kept or rejected by min(1, p/q) against the masked target).
-    draft = _build(
-        tmp_path_factory.mktemp("grammar-dist-draft"), noise=DRAFT_NOISE, bias=DRAFT_BIAS
-    )
+    # The draft is the target with a noisy head. It drafts under the grammar too (its q is masked
+    # by the state its drafts reach), so it is the noise that makes drafts it allows get kept or
+    # rejected by min(1, p/q) against the masked target, both often.
+    draft = _build(tmp_path_factory.mktemp("grammar-dist-draft"), noise=DRAFT_NOISE)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompt = [1, *json_pieces().encode(PROMPT_TEXT, add_special_tokens=False)]
     assert len(prompt) + DEPTH + 1 <= BLOCK_SIZE
