@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.structured.masks import mask_width
+from engine.structured.masks import pack_masks
 from engine.structured.schema_check import schemas_in_structural_tag, unenforced_keyword
 from engine.structured.spec import StructuredOutput
 
@@ -133,14 +133,15 @@ def _allowed_tokens(
     """[mask_width(vocab_size)] int32 packed: the tokens whose bytes hold no control byte and
     whose id is not banned (ids past the decoded vocabulary stay allowed: the grammar's own mask
     rules them out)."""
-    width = mask_width(vocab_size)
-    bits = torch.ones(width * 32, dtype=torch.int64, device="cpu")
-    bits[: len(decoded_vocab)] = torch.tensor(
-        [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab], dtype=torch.int64, device="cpu"
+    allowed = torch.ones(vocab_size, dtype=torch.bool, device="cpu")
+    num_decoded = min(len(decoded_vocab), vocab_size)
+    allowed[:num_decoded] = torch.tensor(
+        [not _CONTROL_BYTES.intersection(b) for b in decoded_vocab[:num_decoded]],
+        dtype=torch.bool,
+        device="cpu",
     )
-    bits[[i for i in banned_ids if 0 <= i < vocab_size]] = 0
-    words = (bits.view(width, 32) << torch.arange(32, dtype=torch.int64, device="cpu")).sum(dim=1)
-    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
+    allowed[[i for i in banned_ids if 0 <= i < vocab_size]] = False
+    return pack_masks(allowed.unsqueeze(0))[0]
 
 
 def _check_enforceable(structured: StructuredOutput) -> None:

@@ -38,6 +38,18 @@ def new_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, mask_width(vocab_size)), -1, dtype=torch.int32, device="cpu")
 
 
+def pack_masks(allowed: torch.Tensor) -> torch.Tensor:
+    """allowed [n, vocab_size] bool -> [n, mask_width] int32 on allowed's device (unpack_masks'
+    inverse; ids past vocab_size in the last word are off)."""
+    n, vocab_size = allowed.shape
+    width = mask_width(vocab_size)
+    bits = torch.zeros(n, width * 32, dtype=torch.int64, device=allowed.device)
+    bits[:, :vocab_size] = allowed.to(torch.int64)
+    shifts = torch.arange(32, dtype=torch.int64, device=allowed.device)  # [32]
+    words = (bits.view(n, width, 32) << shifts).sum(dim=-1)  # [n, width], 0 .. 2**32 - 1
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
+
+
 def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """packed [n, words] int32 -> [n, vocab_size] bool, True where the token is allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=packed.device)  # [32]

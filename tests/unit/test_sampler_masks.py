@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from engine.sampler import Sampler, SamplingRow
 from engine.sampler_reference import process_reference
 from engine.sampling_params import SamplingParams
-from engine.structured.masks import TokenMasks, new_masks, unpack_masks
+from engine.structured.masks import TokenMasks, new_masks, pack_masks, unpack_masks
 from tests.unit.test_sampler import _random_params
 
 EOS = (2, 7)
@@ -35,6 +35,7 @@ def test_unpack_reads_bit_b_of_word_w_as_token_32w_plus_b() -> None:
     allowed[:, 31] = True  # the sign bit of word 0
     allowed[0, :] = False
     assert torch.equal(unpack_masks(_pack(allowed), 100), allowed)
+    assert torch.equal(pack_masks(allowed), _pack(allowed))  # the engine's packing, by hand
     assert unpack_masks(new_masks(2, 70), 70).all()  # new masks allow everything
 
 
