@@ -30,7 +30,6 @@ runs every option with every proposer (15 cases).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,17 @@ from engine.structured import StructuredOutput
 from engine.structured.masks import TokenMasks, new_masks, unpack_masks
 from engine.structured.state import GrammarState
 from tests.conftest import build_tiny_model
-from tests.integration.test_spec_distribution import (
+from tests.integration.test_spec_distribution import (  # the shared run and test settings
+    ALPHA,
+    ARCH,
+    BLOCK_SIZE,
+    BROKEN_ALPHA,
+    DEPTH,
+    FULL,
+    GROUP_SIZE,
+    MAX_NUM_SEQS,
+    NUM_SPEC_TOKENS,
+    VOCAB,
     _keep_one_hot_drafts,
     one_thread,  # noqa: F401 (autouse)
 )
@@ -60,30 +69,10 @@ from tests.token_distribution import (
     tree_chisquare,
 )
 
-FULL = os.environ.get("SPECSERVE_FULL_DIST") == "1"
-
 NUM_SAMPLES = 16_000
 BROKEN_NUM_SAMPLES = 4_000
-ALPHA = 1e-3
-BROKEN_ALPHA = 1e-6
-DEPTH = 3
-GROUP_SIZE = 500
-MAX_NUM_SEQS = 2048
-NUM_SPEC_TOKENS = 2
-BLOCK_SIZE = 16
-
-VOCAB = 32
-ARCH = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 LM_HEAD_SCALE = 3.0
 DRAFT_NOISE = 2.0
-# The pieces the schema's documents are made of (the rest of the vocabulary never appears).
 SCHEMA = {
     "type": "object",
     "properties": {"k": {"enum": ["a", "ab", "b", "ba", "bb"]}},

@@ -124,11 +124,13 @@ def _generate(
 
 
 def _merge(pieces: list[list[Any]]) -> list[Any]:
-    """Per completion: (token ids, text, finish_reason) accumulated over the step deltas."""
+    """Per completion: (token ids, text, finish_reason, logprobs or None) accumulated over the
+    step deltas."""
     merged = []
     for deltas in pieces:
         ids = [t for d in deltas for t in d.token_ids]
-        merged.append((ids, "".join(d.text for d in deltas), deltas[-1].finish_reason))
+        logprobs = None if deltas[0].logprobs is None else [e for d in deltas for e in d.logprobs]
+        merged.append((ids, "".join(d.text for d in deltas), deltas[-1].finish_reason, logprobs))
     return merged
 
 
@@ -156,7 +158,7 @@ def test_greedy_output_is_identical_with_every_proposer(chat_model, draft_model)
     llm = _llm(chat_model, no_lookup)
     outputs["prediction"] = _generate(llm, params, predictions)
     drafted["prediction"] = llm.engine.spec_stats.num_draft_tokens
-    for ((_, text, reason),), schema in zip(outputs["off"], SCHEMAS, strict=True):
+    for ((_, text, reason, _),), schema in zip(outputs["off"], SCHEMAS, strict=True):
         assert reason == "stop"
         jsonschema.validate(json.loads(text), schema)
     for name, got in outputs.items():
@@ -187,7 +189,7 @@ def test_sampled_output_is_schema_valid(chat_model, draft_model, name: str) -> N
     outputs = _generate(llm, params)
     for completions, schema in zip(outputs, SCHEMAS, strict=True):
         assert len(completions) == 4
-        for _, text, reason in completions:
+        for _, text, reason, _ in completions:
             assert reason == "stop", text
             jsonschema.validate(json.loads(text), schema)
     assert llm.engine.spec_stats.num_accepted_tokens > 0 and num_checked[0] > 0
@@ -203,13 +205,19 @@ def test_json_object_and_options_inside_a_grammar(chat_model) -> None:
         _params(SCHEMAS[0], temperature=0.0, repetition_penalty=1.3, min_tokens=150),
     ]
     (first,), (second,) = _generate(llm, params)
-    ids, text, reason = first
+    ids, text, reason, logprobs = first
+    # Logprobs of the masked distribution: one per token, the token's own and finite (it was
+    # allowed), never below the tokens ranked under it.
+    assert [e.token_id for e in logprobs] == ids
+    for e in logprobs:
+        assert e.logprob > float("-inf") and len(e.top_token_ids) == 2
+        assert e.logprob <= e.top_logprobs[0] and e.top_logprobs[0] >= e.top_logprobs[1]
     if reason == "stop":
         assert isinstance(json.loads(text), dict)
     else:  # an object may run long at temperature 1: what was written is still a prefix
         assert reason == "length" and text.startswith("{")
     # min_tokens beyond the document: the grammar's end wins, the document is whole.
-    ids, text, reason = second
+    ids, text, reason, _ = second
     assert reason == "stop" and len(ids) < 150
     jsonschema.validate(json.loads(text), SCHEMAS[0])
 
@@ -218,7 +226,13 @@ def test_stop_string_and_logprobs_inside_a_grammar(chat_model) -> None:
     llm = _llm(chat_model, CONFIGS["ngram"])
     params = _params(SCHEMAS[0], temperature=0.0, logprobs=1)
     (full,), _ = _generate(llm, [params, _params(SCHEMAS[1], temperature=0.0)])
-    cut = full[1][: full[1].index('"kind"')]
+    ids, text, _, logprobs = full
+    # Greedy under the grammar: every token is the top of its masked distribution.
+    assert [e.token_id for e in logprobs] == ids
+    assert all(
+        e.top_token_ids[0] == e.token_id and e.logprob == e.top_logprobs[0] for e in logprobs
+    )
+    cut = text[: text.index('"kind"')]
     stop = '"kind"'
     (stopped,), _ = _generate(
         llm, [_params(SCHEMAS[0], temperature=0.0, stop=[stop]), _params(SCHEMAS[1])]
@@ -246,7 +260,7 @@ def test_special_tokens_are_not_taken_as_their_text(chat_model) -> None:
     schema = {"type": "string", "minLength": 13, "maxLength": 13}
     params = _params(schema, temperature=0.0, logit_bias={quote: 50.0, 0: 100.0})
     (completion,), _ = _generate(llm, [params, _params(SCHEMAS[1], temperature=0.0)])
-    ids, text, reason = completion
+    ids, text, reason, _ = completion
     assert reason == "stop"
     jsonschema.validate(json.loads(text), schema)
     assert not set(ids[:-1]) & set(tokenizer.all_special_ids), ids
