@@ -13,9 +13,13 @@ ours, the float32 chunks and F.linear its start-up probe measures fastest (`pref
 for qkv, o and gate/up, Q6_K served as our Q6_K8 for down) at the rows of decode and verify
 steps, in its AVX2 form (a child process started with SPECSERVE_CPU_ISA=avx2) and, where the CPU
 has AVX-512, in the form this process takes (two rows per 16-lane register from 4 rows on).
+--gguf --int8 puts the float32-activation product beside the int8-activation one
+(`gguf_activations: int8`) and the dequantised-chunks route of prefills, with what r rows cost
+in passes of 1 row.
 
     python bench/kernels.py [--rows 1 2 4 9 16 64 256]
     python bench/kernels.py --gguf [--rows 1 2 4 8 12 16]
+    python bench/kernels.py --gguf --int8 [--rows 1 2 4 6 8 12 16 64 256]
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import cpu_kernels, f32_chunked_linear  # noqa: E402
+from engine.kernels import (  # noqa: E402
+    cpu_kernels,
+    dequantized_chunks_linear,
+    f32_chunked_linear,
+)
 
 # (out, in) of the fused qkv, o, fused gate/up and down projections of one layer.
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
@@ -71,11 +79,19 @@ def random_blocks(rows: int, columns: int, qtype: int, generator: torch.Generato
 GGUF_GROUPS = {"Q4_K": Q4_K, "Q6_K8": Q6_K8}
 
 
-def gguf_rates(rows_list: list[int]) -> dict[str, dict[int, float]]:
-    """GB/s of blocks read by quant_linear over all layers, per format and for all of them (the
-    formats' bytes over the sum of their times), per activation row count."""
+def gguf_rates(rows_list: list[int], product: str = "float32") -> dict[str, dict[int, float]]:
+    """GB/s of blocks read by the GGUF product over all layers, per format and for all of them
+    (the formats' bytes over the sum of their times), per activation row count. product: our
+    kernel with float32 activations, with int8 ones, or (a prefill route) float32 GEMMs over
+    dequantised chunks."""
     kernels = cpu_kernels()
     assert kernels is not None, "the GGUF kernel needs our CPU kernels"
+    products = {
+        "float32": kernels.quant_linear,
+        "int8": lambda x, w, qtype: kernels.quant_linear_int8(x, [w], [qtype], None),
+        "dequantised chunks": dequantized_chunks_linear,
+    }
+    multiply = products[product]
     generator = torch.Generator().manual_seed(0)
     groups: dict[str, list[torch.Tensor]] = {name: [] for name in GGUF_GROUPS}
     for _ in range(NUM_LAYERS):
@@ -95,7 +111,7 @@ def gguf_rates(rows_list: list[int]) -> dict[str, dict[int, float]]:
                 xs: dict[int, torch.Tensor] = xs,
             ) -> None:
                 for w in weights:
-                    kernels.quant_linear(xs[w.shape[1] // BLOCK_BYTES[qtype] * 256], w, qtype)
+                    multiply(xs[w.shape[1] // BLOCK_BYTES[qtype] * 256], w, qtype)
 
             seconds[name] = min(timed(one_pass) for _ in range(2))
             rates[name][rows] = sum(w.numel() for w in weights) / seconds[name] / 1e9
@@ -133,14 +149,45 @@ def gguf_main(rows_list: list[int], is_child: bool) -> None:
             print(line)
 
 
+def int8_main(rows_list: list[int]) -> None:
+    """Float32 against int8 activations in this process, side by side, over all the formats:
+    GB/s, and what a pass over the weights with r rows costs against one with 1 row (a verify
+    step of r - 1 drafts against a decode step, in the linears)."""
+    rates = {
+        product: gguf_rates(rows_list, product)["all"]
+        for product in ("float32", "int8", "dequantised chunks")
+    }
+    one = {product: by_rows[1] for product, by_rows in rates.items() if 1 in by_rows}
+    print(
+        "GGUF blocks, 28 layers of the 1.5B's shapes (Q4_K + Q6_K8), GB/s read (higher is "
+        "better) and the cost of r rows in 1-row passes"
+    )
+    print(
+        f"{'rows':>5} {'float32':>9} {'int8':>9} {'int8/f32':>9} {'f32 cost':>9} "
+        f"{'int8 cost':>10} {'dequant. chunks':>16}"
+    )
+    for rows in rows_list:
+        f32, i8, chunks = (rates[p][rows] for p in ("float32", "int8", "dequantised chunks"))
+        line = f"{rows:>5} {f32:>9.2f} {i8:>9.2f} {i8 / f32:>8.2f}x"
+        if one:
+            line += f" {one['float32'] / f32:>9.2f} {one['int8'] / i8:>10.2f}"
+        print(line + f" {chunks:>16.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+")
     parser.add_argument(
         "--gguf", action="store_true", help="the GGUF block kernel, AVX2 and AVX-512"
     )
+    parser.add_argument(
+        "--int8", action="store_true", help="with --gguf: float32 against int8 activations"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gguf and args.int8:
+        int8_main(args.rows or [1, 2, 4, 6, 8, 12, 16, 64, 256])
+        return
     if args.gguf:
         gguf_main(args.rows or [1, 2, 4, 8, 12, 16], args.child)
         return

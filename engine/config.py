@@ -23,6 +23,7 @@ from engine.tokenizer import config_eos_token_ids
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Quantization = Literal["auto", "none", "gguf"]
+GgufActivations = Literal["float32", "int8"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -75,6 +76,14 @@ class EngineConfig:
             "(dense weights in --dtype) or auto (gguf where it can run, else none)"
         ),
     ] = "auto"
+    gguf_activations: Annotated[
+        GgufActivations,
+        Field(
+            description="what GGUF blocks multiply: float32 activations (the dequantised "
+            "model's products exactly) or int8 (quantised per 256 columns as llama.cpp does, "
+            "integer dot products for Q4_K/Q6_K: several rows a step cost far less)"
+        ),
+    ] = "float32"
     device: Annotated[
         str, Field(description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     ] = "auto"

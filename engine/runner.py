@@ -67,7 +67,10 @@ class ModelRunner:
             self.device.torch,
         )
         self.dtype = dtype or config.torch_dtype(model_config, quantized=bool(quantized))
-        self.model = load_model(model_config, self.dtype, self.device.torch, quantized)
+        self.int8_activations = bool(quantized) and config.gguf_activations == "int8"
+        self.model = load_model(
+            model_config, self.dtype, self.device.torch, quantized, self.int8_activations
+        )
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)
         if self.device.torch.type == "cpu":
@@ -87,7 +90,10 @@ class ModelRunner:
     def weight_format(self) -> str:
         """What the linears multiply by: 'gguf (Q4_K + Q6_K)', or the dense dtype."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return dtype if self.quantization == "none" else f"{self.quantization}, {dtype} activations"
+        if self.quantization == "none":
+            return dtype
+        activations = "int8" if self.int8_activations else dtype
+        return f"{self.quantization}, {activations} activations"
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -40,10 +40,16 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_linear.cpp", "cpu_quant.cpp", "cpu_layer.cpp", "cpu_sampling.cpp")
+    for name in (
+        "cpu_linear.cpp",
+        "cpu_quant.cpp",
+        "cpu_quant_int8.cpp",
+        "cpu_layer.cpp",
+        "cpu_sampling.cpp",
+    )
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("simd.h", "quant_products.h")
+    Path(__file__).with_name(name) for name in ("simd.h", "quant_products.h", "int8_products.h")
 )  # part of the build key, not compiled alone
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
@@ -299,11 +305,16 @@ def quant_linear(
     blocks: Sequence[torch.Tensor],
     qtypes: Sequence[int],
     bias: torch.Tensor | None = None,
+    int8: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) in float32 for a GGUF-quantised W (engine.models.gguf) whose rows
     are the runs blocks[0], blocks[1], ... of GGML types qtypes[i]: up to ALWAYS_ROWS rows in one
     call of our kernel, past it each run by the route that measured fastest here at about M rows.
-    Needs `cpu_kernels()`."""
+    With `int8`, the runs whose format has an int8-activation product (`int8_supported`: the
+    K-quants Q4_K and Q6_K) multiply x quantised to int8 (`quantize_activations`), at any number
+    of rows, and the others as above. Needs `cpu_kernels()`."""
+    if int8:
+        return _int8_linear(x, blocks, qtypes, bias)
     rows = x.shape[0]
     if rows <= ALWAYS_ROWS:
         return _loaded["module"].quant_linear_parts(x, blocks, qtypes, bias)
@@ -333,3 +344,49 @@ def _measure_quant_routes(blocks: torch.Tensor, qtype: int, columns: int, rows: 
     x = torch.randn(rows, columns, device="cpu")
     routes = {name: lambda fn=fn: fn(x, blocks, qtype) for name, fn in QUANT_ROUTES.items()}
     return _fastest(routes, f"quantised linear over {rows} rows, {blocks.shape[0]}x{columns}")
+
+
+def int8_supported(qtype: int, columns: int) -> bool:
+    """Whether GGML type `qtype` over `columns` columns has an int8-activation product."""
+    return bool(_loaded["module"].int8_supported(qtype, columns))
+
+
+def _int8_linear(
+    x: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    qtypes: Sequence[int],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """quant_linear with int8 activations where the format has them: one kernel call for all the
+    runs that do (the activations are quantised once), the float32 product for the others."""
+    module, columns = _loaded["module"], x.shape[1]
+    supported = [int8_supported(qtype, columns) for qtype in qtypes]
+    if all(supported):
+        return module.quant_linear_int8(x, list(blocks), list(qtypes), bias)
+    if not any(supported):
+        return quant_linear(x, blocks, qtypes, bias)
+    outs = [
+        quant_linear(x, [part], [qtype], int8=ok)
+        for part, qtype, ok in zip(blocks, qtypes, supported, strict=True)
+    ]
+    out = torch.cat(outs, dim=1)
+    if bias is not None:
+        out += bias
+    return out
+
+
+INT8_BLOCK = 256  # activations per int8 scale
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of INT8_BLOCK) as the int8-activation products see it, in float32:
+    each block of INT8_BLOCK columns of a row is d * q, d = max|x| / 127, q = round(x / d) (to
+    nearest, ties to even) in [-127, 127] — the kernel's quantisation, value for value. The
+    products equal x's quantised values times the dequantised weights, up to float32 summation
+    order: the reference the tests hold the kernel to."""
+    rows, columns = x.shape
+    blocks = x.float().reshape(rows, columns // INT8_BLOCK, INT8_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse).clamp(-127, 127)
+    return (q * (amax / 127)).reshape(rows, columns)

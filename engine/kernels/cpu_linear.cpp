@@ -338,6 +338,11 @@ std::string quant_isa();
 torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> parts,
                                  std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K);
+// cpu_quant_int8.cpp
+bool int8_supported(int64_t qtype, int64_t K);
+std::string int8_isa();
+torch::Tensor quant_linear_int8(torch::Tensor x, std::vector<torch::Tensor> parts,
+                                std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
 torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                               torch::Tensor k_cache, torch::Tensor v_cache,
@@ -364,6 +369,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kFree);
   m.def("quant_linear_parts", &quant_linear_parts,
         "x @ W.T (+ bias) in float32, W's rows in runs of GGUF blocks of different types",
+        kFree);
+  m.def("int8_supported", &int8_supported,
+        "whether GGML type qtype with K columns has an int8-activation product", kFree);
+  m.def("int8_isa", &int8_isa, "the int8-activation products' instruction set: avx512vnni or avx2",
+        kFree);
+  m.def("quant_linear_int8", &quant_linear_int8,
+        "x @ W.T (+ bias) in float32 with x quantised to int8 per 256 columns (K-quant blocks)",
         kFree);
   m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout",
         kFree);

@@ -176,6 +176,9 @@ class QuantLinear(nn.Module):
         self.qtypes: tuple[int, ...] = ()
         self.origins: tuple[str, ...] = ()
         self.block_names: tuple[str, ...] = ()
+        # Whether the activations are quantised to int8 for the formats that allow it (the
+        # engine's gguf_activations; set by the loader).
+        self.int8_activations = False
 
     def set_weight(self, parts: list[QuantTensor]) -> None:
         """The weight's rows, in order, as runs of blocks; consecutive runs of one format merge."""
@@ -208,7 +211,7 @@ class QuantLinear(nn.Module):
     def float32_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias) in float32, as the kernels compute it."""
         blocks = [self._buffers[name] for name in self.block_names]
-        return quant_linear(x, blocks, self.qtypes, self.bias)
+        return quant_linear(x, blocks, self.qtypes, self.bias, self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float32_product(x).to(x.dtype)
@@ -222,6 +225,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
         self.qtype, self.origin = 0, ""
+        self.int8_activations = False  # as QuantLinear's, for a tied LM head
 
     def set_weight(self, weight: QuantTensor) -> None:
         assert weight.rows == self.num_embeddings and weight.columns == self.embedding_dim
@@ -238,7 +242,7 @@ class QuantEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table.T in float32 (a tied LM head)."""
-        return quant_linear(hidden, [self.blocks], [self.qtype])
+        return quant_linear(hidden, [self.blocks], [self.qtype], int8=self.int8_activations)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:

@@ -121,9 +121,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantized: Mapping[str, QuantTensor] | None = None,
+    int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """Build `LlamaForCausalLM` for cfg and load its weights from cfg.path; the linears and the
-    embedding that `quantized` (checkpoint name -> GGUF blocks) covers whole take those instead."""
+    embedding that `quantized` (checkpoint name -> GGUF blocks) covers whole take those instead,
+    multiplying int8-quantised activations where `int8_activations` and the format allows."""
     model = LlamaForCausalLM(cfg, dtype)
     quantized = quantized or {}
     modules = _quantized_modules(cfg, quantized)
@@ -138,6 +140,7 @@ def load_model(
         else:
             assert isinstance(module, QuantLinear)
             module.set_weight([quantized[checkpoint] for _, checkpoint in parts])
+        module.int8_activations = int8_activations
     used = {checkpoint for parts in modules.values() for _, checkpoint in parts}
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}

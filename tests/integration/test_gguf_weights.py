@@ -119,6 +119,41 @@ def test_speculation_on_quantised_weights_is_lossless(gguf_llama, method):
         assert llm.engine.draft_runner.quantization == llm.engine.quantization
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_int8_activations_is_lossless(gguf_llama, method):
+    """gguf_activations int8 changes the products (the activations are rounded), not what
+    speculation guarantees: a row's result does not depend on the batch, so greedy output with
+    drafts equals greedy output without."""
+    plain_llm = LLM(str(gguf_llama), quantization="gguf", gguf_activations="int8")
+    plain = _greedy(plain_llm)
+    assert plain_llm.engine.runner.weight_format.endswith("int8 activations")
+    modules = [m for m in plain_llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert modules and all(m.int8_activations for m in modules)
+    assert plain != _greedy(LLM(str(gguf_llama), quantization="gguf"))  # the setting is in use
+    spec = {
+        "method": method,
+        "mode": "always",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "draft_min_confidence": 0.0,
+    }
+    if method == "draft_model":
+        spec["model"] = str(gguf_llama)
+    llm = LLM(
+        str(gguf_llama), quantization="gguf", gguf_activations="int8", speculative_config=spec
+    )
+    assert _greedy(llm) == plain
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_int8_activations_are_a_checked_choice(tiny_llama):
+    with pytest.raises(ValueError, match="gguf_activations must be one of float32, int8"):
+        LLM(str(tiny_llama), gguf_activations="int4")
+    # Dense weights have no blocks to multiply: the setting changes nothing there.
+    dense = LLM(str(tiny_llama), dtype="float32", gguf_activations="int8").engine.runner
+    assert dense.quantization == "none" and dense.weight_format == "float32"
+
+
 def test_auto_serves_the_blocks_and_none_serves_dense(gguf_llama, tiny_llama):
     assert LLM(str(gguf_llama), dtype="float32").engine.quantization.startswith("gguf")
     # A plain checkpoint has no GGUF file: auto serves it dense, gguf says why it cannot.

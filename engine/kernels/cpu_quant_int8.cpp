@@ -1,0 +1,198 @@
+// GGUF linears with int8 activations: the weights' K-quant blocks (Q4_K, and Q6_K as our Q6_K8)
+// multiplied by activations quantised to int8 per row and per 256 columns, in integer dot
+// products. This is the scheme llama.cpp's CPU backend uses for these formats (its Q8_K): each
+// block of 256 activations x is stored as d * q with d = max|x| / 127 and q = round(x / d) in
+// [-127, 127]. A weight block is s * qw - m per sub-block (Q4_K: 8 of 32 weights with 6-bit
+// integer scales sc and offsets mn, times the block's d and dmin; Q6_K8: 16 of 16 weights with
+// int8 scales, times d), so a block's product is
+//   d_w * d_x * sum_s sc_s * (sum_{k in s} qw_k q_k) - dmin * d_x * sum_s mn_s * (sum_{k in s} q_k),
+// the first sum exact in int32 (vpmaddubsw makes pairs of u8 weight x s8 activation products,
+// vpmaddwd or VNNI's vpdpwssd multiplies them by the sub-block scale and adds pairs), then one
+// float multiply-add per block and row. A float32 multiply-add per weight and row (cpu_quant.cpp)
+// becomes a quarter to a half of an integer instruction, so a step of several rows (a verify
+// step, a batch) costs far less than that many single-row steps.
+//
+// The result is that of the dequantised weights times the quantised activations, which differs
+// from the float32-activation product (x @ dequantize(W).T) by the activations' rounding: as
+// llama.cpp's does. What speculation needs still holds exactly: a row's result is the same
+// whatever else is in the batch (the integer sums are exact, and every float operation of a row
+// is the same, in the same order, for any number of rows and on either instruction set).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kQ4_K = 12, kQ6_K8 = 1014;  // GGML's Q4_K id, and ours for Q6_K8 (cpu_quant.cpp)
+constexpr int64_t kBlock = 256;               // weights per block, activations per scale
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+// Activations [M, K] quantised per row and per kBlock columns.
+struct Int8Rows {
+  int64_t M = 0, K = 0, B = 0;  // B = K / kBlock blocks per row
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> d;         // [M, B]: each block's scale
+  std::vector<int16_t> sum16;   // [M, K / 16]: the sum of q over each 16 columns
+  std::vector<float> sum32;     // [M, K / 32]: d times the sum of q over each 32 columns
+};
+
+// The rounding is lrintf's (to nearest, ties to even, the default mode), as torch.round's: the
+// Python reference (engine.kernels.quantize_activations) reproduces q and d exactly.
+Int8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+  Int8Rows r;
+  r.M = M, r.K = K, r.B = K / kBlock;
+  r.q.resize(M * K), r.d.resize(M * r.B), r.sum16.resize(M * K / 16), r.sum32.resize(M * K / 32);
+  at::parallel_for(0, M * r.B, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // block i: row i / B, columns (i % B) * 256 ...
+      const float* xb = x + i * kBlock;      // rows are contiguous, so block i starts at 256 i
+      float amax = 0.0f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* qb = r.q.data() + i * kBlock;
+      for (int k = 0; k < kBlock; ++k)
+        qb[k] = static_cast<int8_t>(std::clamp(std::lrintf(xb[k] * id), -127L, 127L));
+      r.d[i] = d;
+      for (int g = 0; g < kBlock / 16; ++g) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += qb[16 * g + k];
+        r.sum16[i * (kBlock / 16) + g] = static_cast<int16_t>(sum);
+      }
+      for (int g = 0; g < kBlock / 32; ++g) {
+        const int16_t* s = r.sum16.data() + i * (kBlock / 16) + 2 * g;
+        r.sum32[i * (kBlock / 32) + g] = d * static_cast<float>(s[0] + s[1]);
+      }
+    }
+  });
+  return r;
+}
+
+// Q4_K's eight 6-bit sub-block scales and offsets (gguf's get_scale_min), as integers.
+inline void q4k_scales_mins(const uint8_t* b, int sc[8], int mn[8]) {
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+constexpr int64_t kPrefetchAhead = 4096;  // bytes of weights ahead of the block multiplied
+
+inline void prefetch_ahead(const uint8_t* b, int bytes) {
+  for (int line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
+}
+
+constexpr int64_t kRowChunk = 16;  // weight rows a thread takes at a time
+
+// Activation rows per pass over a weight row: each row holds two registers through a block, so
+// AVX2's 16 registers take 4 rows, AVX-512's 32 (its VL encodings of these 256-bit forms) 8.
+namespace avx2 {
+constexpr int kMaxTile = 4;
+// acc + the pairwise sums of p * s (16-bit lanes, s the sub-block scales), exact in int32.
+struct Madd {
+  static __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+  }
+};
+#include "int8_products.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+namespace vnni {
+constexpr int kMaxTile = 8;
+struct Madd {
+  static __m256i madd_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
+};
+#include "int8_products.h"
+}  // namespace vnni
+#pragma GCC pop_options
+
+// Whether the CPU has AVX-512 VNNI (with VL, for its 256-bit form) and SPECSERVE_CPU_ISA does not
+// say avx2. Decided once per process; the results are the same either way.
+bool int8_vnni_from_environment() {
+  __builtin_cpu_init();
+  const char* isa = std::getenv("SPECSERVE_CPU_ISA");
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         !(isa != nullptr && std::string(isa) == "avx2");
+}
+const bool g_int8_vnni = int8_vnni_from_environment();
+
+}  // namespace
+
+// Whether a GGML type with K columns has an int8-activation product here.
+bool int8_supported(int64_t qtype, int64_t K) {
+  return (qtype == kQ4_K || qtype == kQ6_K8) && K % kBlock == 0;
+}
+
+std::string int8_isa() { return g_int8_vnni ? "avx512vnni" : "avx2"; }
+
+// x [M, K] (any float dtype) @ W.T (+ bias) -> float32 [M, N] with x quantised to int8 (above),
+// W the rows of parts[0], then of parts[1], ... of GGML types qtypes[i], each int8_supported.
+torch::Tensor quant_linear_int8(torch::Tensor x, std::vector<torch::Tensor> parts,
+                                std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear_int8: x [M, K] on the CPU expected");
+  TORCH_CHECK(!parts.empty() && parts.size() == qtypes.size(),
+              "quant_linear_int8: one GGML type per part expected");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  int64_t N = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const auto& blocks = parts[p];
+    TORCH_CHECK(int8_supported(qtypes[p], K), "quant_linear_int8: GGML type ", qtypes[p], " with ",
+                K, " columns has no int8 product");
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.device().is_cpu() &&
+                    blocks.stride(1) == 1,
+                "quantised weight: a CPU uint8 tensor [rows, bytes per row] expected");
+    const int64_t block_bytes = qtypes[p] == kQ4_K ? 144 : 274;
+    TORCH_CHECK(blocks.size(1) == K / kBlock * block_bytes, "quantised weight: rows of ",
+                blocks.size(1), " bytes, expected ", K / kBlock * block_bytes);
+    N += blocks.size(0);
+  }
+  auto out = torch::empty({M, N}, xf.options());
+  if (M == 0) return out;
+  const Int8Rows xr = quantize_rows(xf.data_ptr<float>(), M, K);
+  float* op = out.data_ptr<float>();
+  int64_t column = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const auto& blocks = parts[p];
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    const int64_t row_bytes = blocks.stride(0), qtype = qtypes[p];
+    float* part_out = op + column;
+    at::parallel_for(0, blocks.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
+        const int64_t n1 = std::min(end, n0 + kRowChunk);
+        if (g_int8_vnni) {
+          vnni::part_rows(w, row_bytes, qtype, xr, n0, n1, N, part_out);
+        } else {
+          avx2::part_rows(w, row_bytes, qtype, xr, n0, n1, N, part_out);
+        }
+      }
+    });
+    column += blocks.size(0);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear_int8: a bias of ", N, " values expected");
+    out.add_(bias->to(at::kFloat));
+  }
+  return out;
+}

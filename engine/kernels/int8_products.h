@@ -1,0 +1,111 @@
+// The int8-activation products of cpu_quant_int8.cpp, written once over `Madd` (how a pair of
+// 16-bit products is multiplied by a scale and added: vpmaddwd + vpaddd on AVX2, vpdpwssd with
+// AVX-512 VNNI) and included twice by it, each time in its own namespace with Madd declared, the
+// second time inside its AVX-512 VNNI region, so the compiler inlines the VNNI instruction into
+// the loops. Both give the same integers, and so the same results.
+//
+// No include guard: each inclusion is a separate set of definitions.
+
+// The loops over one weight row's blocks for MT activation rows (rows m .. m + MT - 1 of xr),
+// per format; the column's float sums are left in acc[j], one 8-lane register per row.
+template <int MT>
+inline void q4k_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, int64_t m,
+                    __m256* acc) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t bi = 0; bi < num_blocks; ++bi) {
+    const uint8_t* b = w + bi * 144;
+    prefetch_ahead(b, 144);
+    int sc[8], mn[8];
+    q4k_scales_mins(b, sc, mn);
+    __m256i dot[MT];
+    for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
+      const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+      for (int j = 0; j < MT; ++j) {
+        const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 64 * c;
+        const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(lo, x_lo), s_lo);
+        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(hi, x_hi), s_hi);
+      }
+    }
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_setr_ps(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]));
+    for (int j = 0; j < MT; ++j) {
+      const int64_t xb = (m + j) * xr.B + bi;
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j]), _mm256_set1_ps(d * xr.d[xb]), acc[j]);
+      acc[j] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xr.sum32.data() + xb * 8), acc[j]);
+    }
+  }
+}
+
+template <int MT>
+inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, int64_t m,
+                     __m256* acc) {
+  const __m256i bias = _mm256_set1_epi8(32);  // stored q - 32 in [-32, 31] -> q in [0, 63]
+  for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t bi = 0; bi < num_blocks; ++bi) {
+    const uint8_t* b = w + bi * 274;
+    prefetch_ahead(b, 274);
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256)));
+    __m256i dot[MT];
+    for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
+    alignas(32) int16_t sc[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), scales);
+    for (int g = 0; g < 8; ++g) {  // 32 weights: scale 2g for the first 16, 2g + 1 for the rest
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g));
+      const __m256i q = _mm256_add_epi8(v, bias);
+      const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
+      for (int j = 0; j < MT; ++j) {
+        const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 32 * g;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(q, xv), s);
+      }
+    }
+    // sum_k (q_k - 32) x_k = sum_k q_k x_k - 32 sum_k x_k, per scale group of 16.
+    const __m256i scales32 = _mm256_slli_epi16(scales, 5);
+    const float d = half_to_float(b + 272);
+    for (int j = 0; j < MT; ++j) {
+      const int64_t xb = (m + j) * xr.B + bi;
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.sum16.data() + xb * 16));
+      const __m256i total = _mm256_sub_epi32(dot[j], _mm256_madd_epi16(scales32, sums));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xr.d[xb]), acc[j]);
+    }
+  }
+}
+
+template <int Max, class F>
+void with_size(int64_t size, F&& f) {
+  if constexpr (Max > 1) {
+    if (size < Max) return with_size<Max - 1>(size, f);
+  }
+  f(std::integral_constant<int, Max>());
+}
+
+// Output columns [n0, n1) of one part (weight rows of format qtype) for every activation row,
+// kMaxTile rows per pass over a weight row, into out (rows ld apart).
+inline void part_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, const Int8Rows& xr,
+                      int64_t n0, int64_t n1, int64_t ld, float* out) {
+  for (int64_t m = 0; m < xr.M;) {
+    const int64_t tiles = (xr.M - m + kMaxTile - 1) / kMaxTile;
+    const int64_t size = (xr.M - m + tiles - 1) / tiles;
+    with_size<kMaxTile>(size, [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        __m256 acc[MT];
+        if (qtype == kQ4_K) {
+          q4k_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
+        } else {
+          q6k8_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
+        }
+        for (int j = 0; j < MT; ++j) out[(m + j) * ld + n] = horizontal_sum(acc[j]);
+      }
+    });
+    m += size;
+  }
+}
