@@ -218,7 +218,7 @@ def _cache_key(
         str(Path(model_path).resolve()),
         device_name,
         str(runner.dtype),
-        runner.quantization,
+        runner.weight_format,  # the blocks' formats and what they multiply (int8 or float)
         torch.__version__,
         runner.backend.name,
         str(runner.block_size),

@@ -12,11 +12,11 @@ from engine import kernels
 from engine.speculation import calibration
 
 
-def _runner(quantization: str = "none") -> SimpleNamespace:
+def _runner(weight_format: str = "float32") -> SimpleNamespace:
     return SimpleNamespace(
         device=SimpleNamespace(torch=torch.device("cpu")),
         dtype=torch.float32,
-        quantization=quantization,
+        weight_format=weight_format,
         backend=SimpleNamespace(name="torch"),
         block_size=16,
     )
@@ -32,7 +32,9 @@ def test_the_key_is_stable_for_one_setup():
 
 def test_the_key_changes_with_what_changes_the_timings(monkeypatch):
     base = _key(_runner())
-    assert _key(_runner("gguf")) != base
+    assert _key(_runner("gguf (Q4_K), float32 activations")) != base
+    int8 = _key(_runner("gguf (Q4_K), int8 activations"))
+    assert int8 not in (base, _key(_runner("gguf (Q4_K), float32 activations")))
     assert _key(_runner(), Path("/models/b")) != base
     monkeypatch.setattr(calibration, "cpu_name", lambda: "another CPU")
     other_cpu = _key(_runner())
