@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.generation_defaults import load_generation_defaults
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
@@ -30,6 +31,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the sampling defaults of the model's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty: what the server applies to a
+        request that gives none), the rest SamplingParams' own; as vLLM's LLM does."""
+        defaults = load_generation_defaults(self.engine.model_config.path)
+        return SamplingParams(**defaults.given())  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -38,7 +46,10 @@ class LLM:
         """Run all prompts to completion, batched continuously; outputs in prompt order.
 
         A single prompt may be a string or a list of token ids; a list of those is a batch.
+        Without sampling_params, the model's own defaults (`get_default_sampling_params`).
         """
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         batch = _as_batch(prompts)
         params = _broadcast(sampling_params, len(batch))
         ids = []
@@ -56,13 +67,22 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        `tools`: function definitions in OpenAI's shape ({"type": "function", "function":
+        {"name", "description", "parameters"}}), rendered by the model's template as the
+        server renders them; the output is the model's text, calls in its own markup (the
+        server's tool parsers read them into `tool_calls`)."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template.")
         is_single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if is_single else list(messages)
-        prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        prompts = [
+            apply_chat_template(self.engine.tokenizer, conv, tools=tools)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

@@ -9,8 +9,9 @@ the reply is read back.
 - "required" or a named function: rendered, parsed, and constrained by the parser's structural
   tag, so the output IS one or more calls (exactly one with `parallel_tool_calls: false`) whose
   arguments match the function's `parameters` schema. With "auto", `parallel_tool_calls: false`
-  cannot be enforced: the model's calls are returned as it wrote them. A JSON `response_format`
-  is a constraint too, so it cannot go with "required" or a named function (a 400).
+  is kept by the reading instead: the model's first call is returned, whole and streamed, and
+  any later ones are dropped (`FirstCallParser`). A JSON `response_format` is a constraint too,
+  so it cannot go with "required" or a named function (a 400).
 
 The finish reason is "tool_calls" when a choice's output holds calls and the model stopped by
 itself; an output cut by max_tokens keeps "length".
@@ -35,7 +36,14 @@ from server.responses import (
     ToolCallChunk,
 )
 from server.tool_parsers import ToolParser, select_parser
-from server.tool_parsers.base import CallArguments, CallStart, CallStream, FunctionSpec, Text
+from server.tool_parsers.base import (
+    CallArguments,
+    CallStart,
+    CallStream,
+    FirstCallParser,
+    FunctionSpec,
+    Text,
+)
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -95,6 +103,8 @@ def tool_use(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse:
         )
         raise invalid_request(message, "tool_choice")
     template_tools = [{"type": "function", "function": t.function.for_template()} for t in tools]
+    if structured is None and req.parallel_tool_calls is False:
+        parser = FirstCallParser(parser)
     return ToolUse(template_tools, parser, structured)
 
 

@@ -168,10 +168,11 @@ def _make_policy(
     chain: Sequence[Proposer],
 ) -> SpeculationPolicy:
     """The policy for the config. "auto" with a proposer chain calibrates the step-time model
-    (cached) and times the draft model's forwards (starting points, refined online); without a
-    config only predictions draft, and a flat model lets them draft freely."""
+    (cached) and times the draft model's forwards (starting points, refined online). Without a
+    config only what a request brings drafts (its prediction, its grammar's forced text), and
+    always: the client asked for it, and so the drafts do not depend on timings."""
     engine = context.engine
-    mode = config.mode if config else "auto"
+    mode = config.mode if config else "always"
     draft_seconds = catch_up_per_token = 0.0
     if mode == "auto" and chain:
         step_model = load_or_calibrate(

@@ -168,6 +168,33 @@ class ToolParser(ABC):
         return CallStream(self.scanner())
 
 
+class FirstCallParser(ToolParser):
+    """`parallel_tool_calls: false` where no grammar enforces it (tool_choice "auto"): the
+    model's output read through `inner`, keeping its first call only, whole and streamed. The
+    later calls are read (so the whitespace around them is dropped as around any call) and then
+    left out."""
+
+    name = "first-call"
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+
+    def scanner(self) -> CallScanner:
+        return self.inner.scanner()
+
+    def _structural_tag(
+        self, functions: Sequence[FunctionSpec], parallel_tool_calls: bool
+    ) -> dict[str, Any]:
+        return self.inner._structural_tag(functions, False)
+
+    def parse(self, text: str) -> ParsedMessage:
+        message = self.inner.parse(text)
+        return ParsedMessage(message.content, message.calls[:1])
+
+    def stream(self) -> CallStream:
+        return FirstCallStream(self.scanner())
+
+
 def read_message(events: Sequence[Event]) -> ParsedMessage:
     """The message a whole output's events spell: valid calls, the rest as content."""
     pieces: list[str | ParsedCall] = []
@@ -259,3 +286,11 @@ class CallStream:
             out.append(Text(self._pending_space))
             self._pending_space = ""
         return out
+
+
+class FirstCallStream(CallStream):
+    """A CallStream that sends only the output's first call (FirstCallParser)."""
+
+    def _read(self, events: list[Event], is_last: bool) -> list[Text | CallStart | CallArguments]:
+        read = super()._read(events, is_last)
+        return [e for e in read if isinstance(e, Text) or e.index == 0]

@@ -97,3 +97,23 @@ def test_a_file_no_request_could_ask_for_is_not_served(tmp_path):
         assert (health.status_code, health.json()) == (503, {"status": "failed"})
         error = live.app.state.load_error
         assert isinstance(error, ValueError) and "temperature must be in [0, 2]" in str(error)
+
+
+def test_the_offline_api_takes_the_model_defaults_too(tmp_path):
+    """`LLM.generate` without sampling params samples with the file's defaults (as vLLM's does):
+    temperature 0 and top_k 5 here, so the output is the greedy one; explicit params win."""
+    from engine import LLM, SamplingParams
+
+    path = _chat_model_with(tmp_path / "m", temperature=0.0, top_k=5)
+    llm = LLM(str(path), dtype="float32", max_model_len=256)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 5, 1.0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=defaults.max_tokens)
+    (by_default,) = llm.generate("Hello there")
+    (explicit,) = llm.generate("Hello there", greedy)
+    assert by_default.outputs[0].token_ids == explicit.outputs[0].token_ids
+    sampled = [
+        llm.generate("Hello there", SamplingParams(temperature=1.0, seed=s, max_tokens=8))[0]
+        for s in range(4)
+    ]
+    assert len({tuple(o.outputs[0].token_ids) for o in sampled}) > 1  # explicit params win

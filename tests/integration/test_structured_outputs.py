@@ -264,3 +264,34 @@ def test_special_tokens_are_not_taken_as_their_text(chat_model) -> None:
     assert reason == "stop"
     jsonschema.validate(json.loads(text), schema)
     assert not set(ids[:-1]) & set(tokenizer.all_special_ids), ids
+
+
+def test_offline_chat_renders_tools_like_the_server(chat_model) -> None:
+    """`LLM.chat(..., tools=...)` puts the functions into the prompt through the model's template
+    (here the tests' ChatML template with tools), the same ids the server's prompt tokenizer
+    makes for them."""
+    from engine.tokenizer import apply_chat_template
+
+    llm = _llm(chat_model, None)
+    template = Path(__file__).resolve().parents[1] / "templates" / "chatml_tools.jinja"
+    llm.get_tokenizer().chat_template = template.read_text()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    conversation = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (with_tools,) = llm.chat(conversation, params, tools=tools)
+    (without,) = llm.chat(conversation, params)
+    tokenizer = llm.get_tokenizer()
+    expected = apply_chat_template(tokenizer, conversation, tools=tools)
+    assert with_tools.prompt_token_ids == expected
+    assert "get_weather" in tokenizer.decode(expected)
+    assert without.prompt_token_ids == apply_chat_template(tokenizer, conversation)
+    assert len(without.prompt_token_ids) < len(expected)

@@ -9,7 +9,14 @@ import re
 import pytest
 
 from server.tool_parsers import get_parser, select_parser
-from server.tool_parsers.base import CallArguments, CallStart, ParsedCall, ParsedMessage, Text
+from server.tool_parsers.base import (
+    CallArguments,
+    CallStart,
+    FirstCallParser,
+    ParsedCall,
+    ParsedMessage,
+    Text,
+)
 
 HERMES = get_parser("hermes")
 
@@ -72,9 +79,9 @@ BROKEN = [
 ]
 
 
-def streamed(pieces: list[str]) -> ParsedMessage:
+def streamed(pieces: list[str], parser=HERMES) -> ParsedMessage:
     """The message a stream of `pieces` spells: content and calls added up from its events."""
-    stream = HERMES.stream()
+    stream = parser.stream()
     events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
     content = "".join(e.text for e in events if isinstance(e, Text))
     names = {e.index: e.name for e in events if isinstance(e, CallStart)}
@@ -172,3 +179,17 @@ def test_select_parser():
     assert select_parser("hermes", None, "llama").name == "hermes"
     with pytest.raises(ValueError, match="unknown tool parser"):
         select_parser("mistral", None, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"), [c[1:] for c in VALID], ids=[c[0] for c in VALID]
+)
+def test_without_parallel_calls_only_the_first_is_read(text, content, calls):
+    """`parallel_tool_calls: false` under tool_choice "auto": the first call, whole and at every
+    split of a stream; the content around the dropped calls is kept, their markup is not."""
+    first = FirstCallParser(HERMES)
+    assert simple(first.parse(text)) == (content, calls[:1])
+    for pieces in splits(text)[:: max(1, len(text) // 20)]:
+        assert simple(streamed(pieces, first)) == (content, calls[:1]), pieces
+    two = f"{WEATHER}\nand then\n{NESTED}\n{call('now', '{}')}"
+    assert simple(first.parse(two)) == ("and then", [("get_weather", WEATHER_ARGS)])

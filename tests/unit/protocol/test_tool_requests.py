@@ -13,6 +13,7 @@ from server.engine_inputs import prompt_of
 from server.protocol import ChatCompletionRequest, parse_request
 from server.tool_calls import NO_TOOLS, tool_use
 from server.tool_parsers import get_parser
+from server.tool_parsers.base import FirstCallParser
 from tests.unit.protocol.helpers import CHAT, patched_body
 
 USER = {"role": "user", "content": "Weather in Paris?"}
@@ -255,6 +256,12 @@ def test_tool_choices():
         '{"name": "now", "arguments": '
     ]
     assert tag["stop_after_first"] is True
+    # auto without parallel calls: no grammar, so the reading keeps the first call only.
+    single = tool_use(chat(tools=[WEATHER, NOW], parallel_tool_calls=False), HERMES)
+    assert single.structured is None and isinstance(single.parser, FirstCallParser)
+    assert single.parser.inner is HERMES
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call>' * 2
+    assert len(single.parser.parse(text).calls) == 1 and len(HERMES.parse(text).calls) == 2
 
 
 def test_tool_calls_need_a_parser():
