@@ -83,16 +83,33 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-// Q4_K's eight 6-bit sub-block scales and offsets (gguf's get_scale_min), as integers.
-inline void q4k_scales_mins(const uint8_t* b, int sc[8], int mn[8]) {
-  const uint8_t* s = b + 4;
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+// Q4_K's eight 6-bit sub-block scales and offsets (gguf's get_scale_min), as bytes 0-7 (scales)
+// and 8-15 (offsets) of a vector: the 12 packed bytes unpacked four at a time.
+inline __m128i q4k_scales_mins(const uint8_t* b) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, sizeof(u));
+  const uint32_t low2 = 0x03030303u, low4 = 0x0f0f0f0fu, low6 = 0x3f3f3f3fu;
+  return _mm_setr_epi32(static_cast<int>(u[0] & low6),
+                        static_cast<int>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)),
+                        static_cast<int>(u[1] & low6),
+                        static_cast<int>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
 }
+
+// pshufb masks over 16-bit lanes: lane(s) puts 16-bit element s of each 128-bit half in every
+// lane; pair(g) puts element 2g in the low half's lanes and 2g + 1 in the high half's.
+struct ShuffleMasks {
+  alignas(32) uint8_t lanes[8][32];
+  alignas(32) uint8_t pairs[4][32];
+  ShuffleMasks() {
+    for (int s = 0; s < 8; ++s)
+      for (int i = 0; i < 32; ++i) lanes[s][i] = static_cast<uint8_t>(2 * s + (i & 1));
+    for (int g = 0; g < 4; ++g)
+      for (int i = 0; i < 32; ++i) pairs[g][i] = static_cast<uint8_t>(2 * (2 * g + (i >= 16)) + (i & 1));
+  }
+  __m256i lane(int s) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[s])); }
+  __m256i pair(int g) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs[g])); }
+};
+const ShuffleMasks g_masks;
 
 constexpr int64_t kPrefetchAhead = 4096;  // bytes of weights ahead of the block multiplied
 

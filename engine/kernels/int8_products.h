@@ -16,16 +16,18 @@ inline void q4k_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, in
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const uint8_t* b = w + bi * 144;
     prefetch_ahead(b, 144);
-    int sc[8], mn[8];
-    q4k_scales_mins(b, sc, mn);
+    // The sub-block scales as 16-bit lanes, the same 8 in both halves, for the shuffles that
+    // broadcast one of them; the offsets as floats times dmin.
+    const __m128i scales_mins = q4k_scales_mins(b);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     __m256i dot[MT];
     for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       const __m256i lo = _mm256_and_si256(v, nibble);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
-      const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, g_masks.lane(2 * c));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, g_masks.lane(2 * c + 1));
       for (int j = 0; j < MT; ++j) {
         const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 64 * c;
         const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -35,7 +37,8 @@ inline void q4k_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, in
       }
     }
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_setr_ps(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]));
+    const __m256 mins = _mm256_mul_ps(
+        _mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
     for (int j = 0; j < MT; ++j) {
       const int64_t xb = (m + j) * xr.B + bi;
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j]), _mm256_set1_ps(d * xr.d[xb]), acc[j]);
@@ -53,14 +56,15 @@ inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
     const uint8_t* b = w + bi * 274;
     prefetch_ahead(b, 274);
     const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256)));
+    // Scales 0-7 and 8-15, each 8 in both halves, for the shuffles that pick a pair of them.
+    const __m256i first = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales));
+    const __m256i second = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scales, 1));
     __m256i dot[MT];
     for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
-    alignas(32) int16_t sc[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), scales);
     for (int g = 0; g < 8; ++g) {  // 32 weights: scale 2g for the first 16, 2g + 1 for the rest
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g));
       const __m256i q = _mm256_add_epi8(v, bias);
-      const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
+      const __m256i s = _mm256_shuffle_epi8(g < 4 ? first : second, g_masks.pair(g % 4));
       for (int j = 0; j < MT; ++j) {
         const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 32 * g;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
