@@ -26,6 +26,8 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # Read once: a file that no request could use stops the LLM here, as it stops a server.
+        self._defaults = load_generation_defaults(self.engine.model_config.path)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -35,8 +37,7 @@ class LLM:
         """SamplingParams with the sampling defaults of the model's generation_config.json
         (temperature, top_p, top_k, min_p, repetition_penalty: what the server applies to a
         request that gives none), the rest SamplingParams' own; as vLLM's LLM does."""
-        defaults = load_generation_defaults(self.engine.model_config.path)
-        return SamplingParams(**defaults.given())  # type: ignore[arg-type]
+        return SamplingParams(**self._defaults.given())  # type: ignore[arg-type]
 
     def generate(
         self,

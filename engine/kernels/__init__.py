@@ -49,7 +49,8 @@ _SOURCES = tuple(
     )
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("simd.h", "quant_products.h", "int8_products.h")
+    Path(__file__).with_name(name)
+    for name in ("simd.h", "gguf_blocks.h", "quant_products.h", "int8_products.h")
 )  # part of the build key, not compiled alone
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]

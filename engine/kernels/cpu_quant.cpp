@@ -31,15 +31,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "simd.h"
 
 namespace {
-
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return _cvtsh_ss(h);
-}
 
 inline __m256i bytes8_u32(const uint8_t* p) {  // 8 bytes zero-extended to 8 int32 lanes
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -91,28 +86,13 @@ struct Q6_K8 {
 };
 constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
 
-// How far ahead of the block being multiplied its row is prefetched, in bytes: enough to cover
-// memory's latency at one core's rate whatever the block size. (8 blocks ahead, as this was,
-// is 272 bytes of Q8_0, and a single row's product waited on memory: bench/decode.py timed the
-// 0.5B draft, Q8_0 blocks mostly, 1.18x faster at 4 KiB.)
-constexpr int64_t kPrefetchAhead = 4096;
-
 // A Q4_K block's eight sub-block scales d * sc and offsets dmin * m (gguf's get_scale_min: 6-bit
-// values packed in 12 bytes, unpacked four at a time), each rounded after its multiply.
+// values, q4k_scale_bytes), each rounded after its multiply.
 inline void q4k_scales(const uint8_t* b, __m256& scales, __m256& mins) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, sizeof(u));
-  const uint32_t sc[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
-  const uint32_t mn[2] = {u[1] & 0x3f3f3f3fu,
-                          ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
-  scales = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc))));
-  mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
-}
-
-// Prefetches the block kPrefetchAhead bytes past b, a cache line at a time.
-inline void prefetch_ahead(const uint8_t* b, int bytes) {
-  for (int line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
+  uint32_t sc[2], mn[2];
+  q4k_scale_bytes(b, sc, mn);
+  scales = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(sc))));
+  mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)), _mm256_cvtepi32_ps(bytes8_u32(reinterpret_cast<const uint8_t*>(mn))));
 }
 
 // One activation row per 8-lane register: the AVX2 form of the products, and the dequantiser's.
@@ -196,35 +176,12 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
 
 // ---------------------------------------------------------------------------- linear
 
-// f(std::integral_constant<int, size>()) for 1 <= size <= Max.
-template <int Max, class F>
-void with_size(int64_t size, F&& f) {
-  if constexpr (Max > 1) {
-    if (size < Max) return with_size<Max - 1>(size, f);
-  }
-  f(std::integral_constant<int, Max>());
-}
-
-// f(first, size) for consecutive tiles covering [0, count), each at most Max long and as even as
-// possible; size is a std::integral_constant, so f can instantiate a kernel per tile size.
-template <int Max, class F>
-void for_tiles(int64_t count, F&& f) {
-  for (int64_t first = 0; first < count;) {
-    const int64_t tiles = (count - first + Max - 1) / Max;
-    const int64_t size = (count - first + tiles - 1) / tiles;
-    with_size<Max>(size, [&](auto n) { f(first, n); });
-    first += size;
-  }
-}
-
 // Whether the CPU has AVX-512 F and DQ and SPECSERVE_CPU_ISA does not say avx2: then Q4_K takes
 // its 16-lane form and the other formats' batches of kPairRows rows or more the two-rows-per-
 // register form. Decided once per process.
 bool quant_avx512_from_environment() {
   __builtin_cpu_init();
-  const char* isa = std::getenv("SPECSERVE_CPU_ISA");
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-         !(isa != nullptr && std::string(isa) == "avx2");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !told_avx2();
 }
 const bool g_quant_avx512 = quant_avx512_from_environment();
 

@@ -31,18 +31,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kQ4_K = 12, kQ6_K8 = 1014;  // GGML's Q4_K id, and ours for Q6_K8 (cpu_quant.cpp)
 constexpr int64_t kBlock = 256;               // weights per block, activations per scale
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return _cvtsh_ss(h);
-}
 
 // Activations [M, K] quantised per row and per kBlock columns.
 struct Int8Rows {
@@ -84,15 +79,12 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 // Q4_K's eight 6-bit sub-block scales and offsets (gguf's get_scale_min), as bytes 0-7 (scales)
-// and 8-15 (offsets) of a vector: the 12 packed bytes unpacked four at a time.
+// and 8-15 (offsets) of a vector.
 inline __m128i q4k_scales_mins(const uint8_t* b) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, sizeof(u));
-  const uint32_t low2 = 0x03030303u, low4 = 0x0f0f0f0fu, low6 = 0x3f3f3f3fu;
-  return _mm_setr_epi32(static_cast<int>(u[0] & low6),
-                        static_cast<int>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)),
-                        static_cast<int>(u[1] & low6),
-                        static_cast<int>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
+  uint32_t sc[2], mn[2];
+  q4k_scale_bytes(b, sc, mn);
+  return _mm_setr_epi32(static_cast<int>(sc[0]), static_cast<int>(sc[1]), static_cast<int>(mn[0]),
+                        static_cast<int>(mn[1]));
 }
 
 // pshufb masks over 16-bit lanes: lane(s) puts 16-bit element s of each 128-bit half in every
@@ -110,13 +102,6 @@ struct ShuffleMasks {
   __m256i pair(int g) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs[g])); }
 };
 const ShuffleMasks g_masks;
-
-constexpr int64_t kPrefetchAhead = 4096;  // bytes of weights ahead of the block multiplied
-
-inline void prefetch_ahead(const uint8_t* b, int bytes) {
-  for (int line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T0);
-}
 
 constexpr int64_t kRowChunk = 16;  // weight rows a thread takes at a time
 
@@ -148,9 +133,7 @@ struct Madd {
 // say avx2. Decided once per process; the results are the same either way.
 bool int8_vnni_from_environment() {
   __builtin_cpu_init();
-  const char* isa = std::getenv("SPECSERVE_CPU_ISA");
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-         !(isa != nullptr && std::string(isa) == "avx2");
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && !told_avx2();
 }
 const bool g_int8_vnni = int8_vnni_from_environment();
 

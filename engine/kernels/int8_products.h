@@ -83,33 +83,20 @@ inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
   }
 }
 
-template <int Max, class F>
-void with_size(int64_t size, F&& f) {
-  if constexpr (Max > 1) {
-    if (size < Max) return with_size<Max - 1>(size, f);
-  }
-  f(std::integral_constant<int, Max>());
-}
-
 // Output columns [n0, n1) of one part (weight rows of format qtype) for every activation row,
 // kMaxTile rows per pass over a weight row, into out (rows ld apart).
 inline void part_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, const Int8Rows& xr,
                       int64_t n0, int64_t n1, int64_t ld, float* out) {
-  for (int64_t m = 0; m < xr.M;) {
-    const int64_t tiles = (xr.M - m + kMaxTile - 1) / kMaxTile;
-    const int64_t size = (xr.M - m + tiles - 1) / tiles;
-    with_size<kMaxTile>(size, [&](auto mt) {
-      constexpr int MT = decltype(mt)::value;
-      for (int64_t n = n0; n < n1; ++n) {
-        __m256 acc[MT];
-        if (qtype == kQ4_K) {
-          q4k_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
-        } else {
-          q6k8_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
-        }
-        for (int j = 0; j < MT; ++j) out[(m + j) * ld + n] = horizontal_sum(acc[j]);
+  for_tiles<kMaxTile>(xr.M, [&](int64_t m, auto mt) {
+    constexpr int MT = decltype(mt)::value;
+    for (int64_t n = n0; n < n1; ++n) {
+      __m256 acc[MT];
+      if (qtype == kQ4_K) {
+        q4k_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
+      } else {
+        q6k8_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
       }
-    });
-    m += size;
-  }
+      for (int j = 0; j < MT; ++j) out[(m + j) * ld + n] = horizontal_sum(acc[j]);
+    }
+  });
 }

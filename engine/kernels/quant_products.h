@@ -23,7 +23,7 @@ struct Group {
 
 // Group g of a block, per format.
 inline void decode(Q4_0, const uint8_t* b, int, Group& out) {
-  const float d = f16(b);
+  const float d = half_to_float(b);
   const typename V::I lo = V::u8(b + 2), hi = V::u8(b + 10);
   const typename V::T eight = V::set1(8.0f);  // q - 8 is exact in float32 as in int32
   out.q[0] = V::sub(V::cvt(V::low4(lo)), eight);
@@ -40,19 +40,19 @@ inline void decode(Q4_1, const uint8_t* b, int, Group& out) {
   out.q[1] = V::cvt(V::low4(hi));
   out.q[2] = V::cvt(V::high4(lo));
   out.q[3] = V::cvt(V::high4(hi));
-  out.s0 = out.s1 = f16(b);
-  out.mm = -f16(b + 2);
+  out.s0 = out.s1 = half_to_float(b);
+  out.mm = -half_to_float(b + 2);
 }
 
 inline void decode(Q8_0, const uint8_t* b, int, Group& out) {
   for (int i = 0; i < 4; ++i) out.q[i] = V::cvt(V::i8(b + 2 + 8 * i));
-  out.s0 = out.s1 = f16(b);
+  out.s0 = out.s1 = half_to_float(b);
   out.mm = 0.0f;
 }
 
 inline void decode(Q6_K8, const uint8_t* b, int g, Group& out) {
   const auto* scales = reinterpret_cast<const int8_t*>(b + 256);
-  const float d = f16(b + 272);
+  const float d = half_to_float(b + 272);
   for (int i = 0; i < 4; ++i) out.q[i] = V::cvt(V::i8(b + 32 * g + 8 * i));
   out.s0 = d * static_cast<float>(scales[2 * g]);
   out.s1 = d * static_cast<float>(scales[2 * g + 1]);
@@ -113,7 +113,7 @@ inline void q4k_block(const uint8_t* b, const float* x, const float* xs, int64_t
 template <int MT>
 inline void q6k8_block(const uint8_t* b, const float* x, int64_t K, typename V::T (*acc)[2]) {
   alignas(32) float scale[16];
-  const __m256 d = _mm256_set1_ps(f16(b + 272));
+  const __m256 d = _mm256_set1_ps(half_to_float(b + 272));
   _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 256))));
   _mm256_store_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8_i32(b + 264))));
   for (int g = 0; g < 8; ++g) {
