@@ -1,28 +1,35 @@
 """The speculation policy over HTTP: modes off / always / auto side by side in one run.
 
-For each mode the bench writes a copy of the config with `speculative_config.mode` set, starts
-`specserve serve` on a free port (one mode at a time), warms it up with one request and sweeps
-the concurrency: at each level, c streaming clients hold c chat requests in flight for
+One `specserve serve` on the config, started in auto (the mode that calibrates), warmed up once
+per mode, then the sweep: each level (a workload at a concurrency) runs --rounds rounds, and a
+round measures every mode once, back to back, in an order that rotates from round to round and
+from the same place in the workload (the rounds start at places spread over it); the
+mode is switched between windows through the operator route `PUT /internal/speculation`, and
+the prefix cache is emptied before each window (`POST /internal/reset-prefix-cache`), so every
+window starts alike. In a window, c streaming clients hold c chat requests in flight for
 --duration seconds (c / 8 times that past 8 clients) — a client sends its next request (greedy,
 --max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
 bench/policy_workload.py) as soon as its last one ends, and the requests still streaming when
 the window closes are cut off (the server aborts them). Holding the concurrency for the whole
-window measures the engine at c, not a ramp-down through every concurrency below it.
+window measures the engine at c, not a ramp-down through every concurrency below it. On this
+class of host one window of a level moves 5-20% between runs of the same code: the rounds, paired
+in time, are what let a 3% difference be read at all.
 
-Per (mode, c): total tokens/s (tokens streamed inside the window over its length), TTFT p50/p99,
-inter-token latency p50/p99 (per token, amortised over the tokens of one step) and the share of
-the policy's per-request decisions that speculated (/metrics deltas). Then a code-edit-only level
-at concurrency 1. The server runs with max_num_seqs >= the largest concurrency and
---kv-cache-gib of KV cache.
+Per (mode, c) and round: total tokens/s (tokens streamed inside the window over its length),
+TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of one step) and
+the share of the policy's per-request decisions that speculated (/metrics deltas). Then a
+code-edit-only level at concurrency 1. The server runs with max_num_seqs >= the largest
+concurrency and --kv-cache-gib of KV cache.
 
-Prints a markdown table, "auto vs best(off, always)" per concurrency and whether the targets
-hold (auto within 3% of the best at every c; code edit at c=1: auto >= 1.5x off); writes JSON
-(--out) and a PNG (--plot, needs the `bench` extra: matplotlib); bench/policy_report.py formats
-them.
+Prints a markdown table (medians over the rounds, with their range), "auto vs best(off, always)"
+per concurrency (auto over the better fixed mode in the same round, the median of the rounds)
+and whether the targets hold (auto within 3% of the best at every c; code edit at c=1: auto >=
+1.5x off); writes JSON (--out) and a PNG (--plot, needs the `bench` extra: matplotlib);
+bench/policy_report.py formats them.
 
     python bench/policy.py [--config configs/default.yaml] [--modes off,always,auto]
-        [--concurrency 1,2,4,8,16,32] [--duration 40] [--max-tokens 96]
-    python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2: about a minute
+        [--concurrency 1,2,4,8,16,32] [--duration 20] [--rounds 3] [--max-tokens 96]
+    python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2, one round: a minute
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -70,6 +78,7 @@ SMOKE = {
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 5},
     "concurrency": [1, 2],
     "duration": 5.0,
+    "rounds": 1,
     "max_tokens": 16,
     "out": "bench/results/policy-smoke.json",
     "plot": "bench/results/policy-smoke.png",
@@ -89,26 +98,32 @@ class BenchSettings:
     burst_gap: float
     startup_timeout: float
     kv_cache_memory: int | None = None  # bytes per server; None: the config's
+    rounds: int = 1  # windows per (mode, level), interleaved with the other modes'
 
 
 # --------------------------------------------------------------------------- the server
 
 
 def server_config(
-    base: dict[str, Any], mode: str, max_num_seqs: int, kv_cache_memory: int | None = None
+    base: dict[str, Any], max_num_seqs: int, kv_cache_memory: int | None = None
 ) -> dict[str, Any]:
-    """A copy of the YAML config that serves `mode`, one SSE chunk per token, admits
-    `max_num_seqs` requests at once (at least the config's) and, if given, sizes the KV cache."""
+    """A copy of the YAML config that starts in auto (so the step-time model is calibrated and
+    every mode can be switched to), streams one SSE chunk per token, admits `max_num_seqs`
+    requests at once (at least the config's), if given sizes the KV cache, and has an API key
+    (the operator routes answer only behind one): SPECSERVE_API_KEY's, else the config's, else
+    a new one."""
     engine = dict(base.get("engine") or {})
     spec = engine.get("speculative_config")
     if not spec:
         raise SystemExit("bench/policy.py: the config has no engine.speculative_config to vary.")
-    engine["speculative_config"] = {**spec, "mode": mode}
+    engine["speculative_config"] = {**spec, "mode": "auto"}
     engine["max_num_seqs"] = max(int(engine.get("max_num_seqs", 16)), max_num_seqs)
     if kv_cache_memory is not None:
         engine["kv_cache_memory"] = kv_cache_memory
     server = {**(base.get("server") or {}), "host": "127.0.0.1"}
     server["stream_one_token_per_chunk"] = True  # one arrival time per token
+    key = os.environ.get("SPECSERVE_API_KEY") or server.get("api_key")  # as the server reads it
+    server["api_key"] = key or f"sk-bench-{secrets.token_hex(12)}"
     return {"engine": engine, "server": server}
 
 
@@ -147,13 +162,19 @@ async def stream_request(
 
 
 async def run_level(
-    url: str, model: str, prompts: Sequence[str], concurrency: int, settings: BenchSettings
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    settings: BenchSettings,
+    offset: int = 0,
 ) -> tuple[list[RequestResult], tuple[float, float], float | None]:
-    """c closed-loop clients for level_duration(...) seconds; client i sends requests i, i + c,
-    i + 2c, ... and its request in flight when the window closes is cut off. Returns the
-    results, the window (start, end) and the share of decisions that speculated."""
+    """c closed-loop clients for level_duration(...) seconds; client i sends prompts offset + i,
+    offset + i + c, offset + i + 2c, ... (round-robin) and its request in flight when the window
+    closes is cut off. Returns the results, the window (start, end) and the share of decisions
+    that speculated."""
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
-    headers = auth_headers(settings.config)
     async with httpx.AsyncClient(
         base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
     ) as client:
@@ -164,7 +185,7 @@ async def run_level(
         async def one_client(i: int) -> list[RequestResult]:
             results, j = [], 0
             while (left := end - time.perf_counter()) > 0:
-                index = (j * concurrency + i) % len(prompts)
+                index = (offset + j * concurrency + i) % len(prompts)
                 body = chat_body(model, prompts[index], settings.max_tokens)
                 reader = ChatStreamReader(time.perf_counter())
                 try:
@@ -220,38 +241,73 @@ def auth_headers(config: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def window_order(modes: Sequence[str], round_index: int) -> list[str]:
+    """The modes of one round of a level, rotated by the round: each mode goes first, middle and
+    last as often as the others, so a drift within a level's rounds falls on every mode."""
+    shift = round_index % len(modes)
+    return [*modes[shift:], *modes[:shift]]
+
+
+def prompt_offset(num_prompts: int, round_index: int, rounds: int) -> int:
+    """Where a round's clients start in the workload: the rounds spread over it (even offsets,
+    so a mixed round still starts on a code edit), and every mode of a round starts alike."""
+    return (round_index * num_prompts // rounds) // 2 * 2
+
+
 def bench_all(settings: BenchSettings) -> list[LevelResult]:
-    """Every level of every mode, one mode's server at a time (three servers at once would not
-    fit this machine's memory beside each other without paging)."""
+    """Every level, round and mode on one server; the windows of a level's round back to back."""
     levels = [("mixed", c) for c in settings.concurrency]
     levels += [("code_edit", 1)] if settings.is_code_edit_c1 else []
+    config = server_config(settings.config, max(settings.concurrency), settings.kv_cache_memory)
+    headers = auth_headers(config)
     results = []
-    for mode in settings.modes:
-        config = server_config(
-            settings.config, mode, max(settings.concurrency), settings.kv_cache_memory
-        )
-        with running_server(config, settings.startup_timeout) as url:
-            model = httpx.get(f"{url}/v1/models", headers=auth_headers(config)).json()
-            model = model["data"][0]["id"]
-            warm_up(url, model, settings)
-            for workload, c in levels:
-                runs, window, share = asyncio.run(
-                    run_level(url, model, WORKLOADS[workload](), c, settings)
-                )
-                level = summarize_level(mode, workload, c, runs, window, share, settings.burst_gap)
-                for r in runs:
-                    if r.error:
-                        logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
-                logger.info("%s %s c=%d: %.2f tokens/s", mode, workload, c, level.tokens_per_s)
-                results.append(level)
+    with running_server(config, settings.startup_timeout) as url:
+        model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+        for mode in settings.modes:  # each mode's first-use costs out of the windows
+            operate(url, headers, mode)
+            warm_up(url, headers, model, settings)
+        for workload, c in levels:
+            prompts = WORKLOADS[workload]()
+            for round_index in range(settings.rounds):
+                offset = prompt_offset(len(prompts), round_index, settings.rounds)
+                for mode in window_order(settings.modes, round_index):
+                    operate(url, headers, mode)
+                    runs, window, share = asyncio.run(
+                        run_level(url, headers, model, prompts, c, settings, offset)
+                    )
+                    level = summarize_level(
+                        mode, workload, c, runs, window, share, settings.burst_gap
+                    )
+                    level = dataclasses.replace(level, round=round_index)
+                    for r in runs:
+                        if r.error:
+                            logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
+                    logger.info(
+                        "%s %s c=%d round %d: %.2f tokens/s",
+                        mode,
+                        workload,
+                        c,
+                        round_index + 1,
+                        level.tokens_per_s,
+                    )
+                    results.append(level)
     return results
 
 
-def warm_up(url: str, model: str, settings: BenchSettings) -> None:
-    """One short request, so the first level does not pay for first-use costs."""
+def operate(url: str, headers: dict[str, str], mode: str) -> None:
+    """Switch the server to `mode` and empty its prefix cache (both between windows: idle)."""
+    response = httpx.put(f"{url}/internal/speculation", json={"mode": mode}, headers=headers)
+    if response.status_code != 200:
+        raise RuntimeError(f"could not switch to {mode}: {response.text[:300]}")
+    response = httpx.post(f"{url}/internal/reset-prefix-cache", headers=headers)
+    if response.status_code != 200:
+        raise RuntimeError(f"could not reset the prefix cache: {response.text[:300]}")
+
+
+def warm_up(url: str, headers: dict[str, str], model: str, settings: BenchSettings) -> None:
+    """One request, so the first window does not pay for first-use costs."""
 
     async def one() -> RequestResult:
-        headers = auth_headers(settings.config)
         async with httpx.AsyncClient(base_url=url, timeout=900.0, headers=headers) as client:
             body = chat_body(model, WORKLOADS["mixed"]()[0], settings.max_tokens)
             return await stream_request(client, body, 0)
@@ -276,8 +332,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     parser.add_argument(
         "--duration",
         type=float,
-        default=40.0,
-        help="seconds each level holds its concurrency (c / 8 times that past c = 8)",
+        default=20.0,
+        help="seconds each window holds its concurrency (c / 8 times that past c = 8)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="windows per mode and level, interleaved"
     )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
@@ -301,6 +360,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         config["engine"]["speculative_config"] = SMOKE["speculative_config"]
         args.concurrency = tuple(SMOKE["concurrency"])
         args.duration, args.max_tokens = SMOKE["duration"], SMOKE["max_tokens"]
+        args.rounds = SMOKE["rounds"]
         args.out, args.plot = SMOKE["out"], SMOKE["plot"]
     settings = BenchSettings(
         config=config,
@@ -312,6 +372,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         burst_gap=args.burst_gap_ms / 1000,
         startup_timeout=args.startup_timeout,
         kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib > 0 else None,
+        rounds=max(1, args.rounds),
     )
     return settings, args
 
@@ -322,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings, args = parse_args(argv)
     start = time.perf_counter()
     levels = bench_all(settings)
-    logger.info("swept %d levels in %.0f s", len(levels), time.perf_counter() - start)
+    logger.info("swept %d windows in %.0f s", len(levels), time.perf_counter() - start)
     sys.stdout.write(report(levels))
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -173,6 +173,7 @@ class LevelResult:
     itl_p99: float | None
     speculating_share: float | None  # None: the server exports no policy decisions
     num_cancelled: int = 0  # still streaming when the window closed
+    round: int = 0  # which of the run's rounds (each round measures every mode once per level)
 
 
 class StreamError(RuntimeError):

@@ -197,6 +197,22 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    # ----------------------------------------------------------------------------- operator
+
+    @property
+    def speculation_mode(self) -> str:
+        return self.speculator.mode
+
+    def set_speculation_mode(self, mode: str) -> None:
+        """off / always / auto from the next step on (ValueError: unknown, or auto uncalibrated)."""
+        self.speculator.set_mode(mode)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes no request holds; returns how many blocks were dropped."""
+        num_cached = self.block_manager.num_cached_blocks
+        self.block_manager.reset_prefix_cache()
+        return num_cached - self.block_manager.num_cached_blocks
+
     # ----------------------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:

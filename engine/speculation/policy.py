@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from engine.device_monitor import DeviceMonitor
 from engine.request import Request
 from engine.speculation.acceptance import AcceptanceTracker
+from engine.speculation.config import SPEC_MODES
 from engine.speculation.costs import MODEL_SOURCES, DraftCosts
 from engine.speculation.goodput import DraftCost, StepShape, best_draft_lengths, goodput
 from engine.speculation.stats import Decision, StepStats
@@ -69,8 +70,11 @@ class SpeculationPolicy:
         disable_utilization: float | None = None,
         draft_forward_seconds: float = 0.0,
         catch_up_seconds_per_token: float = 0.0,
+        is_calibrated: bool = True,
     ) -> None:
         self.mode = mode
+        # Whether step_model was measured on this device (auto needs it; off and always do not).
+        self.is_calibrated = is_calibrated
         self.max_draft_tokens = max_draft_tokens
         self.step_model = step_model
         self.monitor = monitor
@@ -80,6 +84,18 @@ class SpeculationPolicy:
         self.tracker = AcceptanceTracker()
         self._last_k: dict[str, int] = {}  # acceptance key -> k of its last final decision
         self._depth = 0  # the draft model's depth (forwards per step) in the last step
+
+    def set_mode(self, mode: str) -> None:
+        """Switch the mode between steps (an operator's call, `PUT /internal/speculation`).
+        What was learned is kept; auto needs a step-time model calibrated at start."""
+        if mode not in SPEC_MODES:
+            raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}.")
+        if mode == "auto" and not self.is_calibrated:
+            raise ValueError(
+                "mode auto needs the step-time model calibrated at start: start the server "
+                "with speculative_config.mode auto."
+            )
+        self.mode = mode
 
     # ---------------------------------------------------------------------------- deciding
 

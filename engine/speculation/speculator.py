@@ -138,6 +138,13 @@ class Speculator:
     def observe(self, stats: StepStats) -> None:
         self.policy.observe(stats)
 
+    @property
+    def mode(self) -> str:
+        return self.policy.mode
+
+    def set_mode(self, mode: str) -> None:
+        self.policy.set_mode(mode)
+
     def free(self, request: Request) -> None:
         for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
@@ -202,4 +209,5 @@ def _make_policy(
         config.spec_disable_utilization if config else None,
         draft_seconds,
         catch_up_per_token,
+        is_calibrated=mode == "auto" and bool(chain),
     )

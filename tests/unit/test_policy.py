@@ -377,3 +377,28 @@ def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() 
     )
     policy.observe(stats)
     assert policy.costs.correction == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_mode_switches_between_steps_and_auto_needs_a_calibrated_model() -> None:
+    candidates = [
+        Candidate(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64), 4, "ngram")
+        for i in range(2)
+    ]
+    step = _shape(2)
+    policy = SpeculationPolicy("always", 4, FlatThenLinear(), is_calibrated=False)
+    assert [d.num_draft_tokens for d in policy.decide(candidates, step)] == [4, 4]
+    policy.set_mode("off")
+    decisions = policy.decide(candidates, step)
+    assert [(d.num_draft_tokens, d.reason) for d in decisions] == [(0, "mode_off")] * 2
+    with pytest.raises(ValueError, match="calibrated"):
+        policy.set_mode("auto")
+    with pytest.raises(ValueError, match="one of off, always, auto"):
+        policy.set_mode("sometimes")
+    assert policy.mode == "off"  # a refused switch changes nothing
+    calibrated = SpeculationPolicy("off", 4, FlatThenLinear())
+    calibrated.tracker = FixedAlphas()  # type: ignore[assignment]
+    calibrated.tracker.alphas.update({"r0": 0.9, "r1": 0.9})
+    calibrated.set_mode("auto")
+    decisions = calibrated.decide(candidates, step)
+    assert [d.reason for d in decisions] == ["goodput"] * 2
+    assert all(d.num_draft_tokens > 0 for d in decisions)
