@@ -3,10 +3,13 @@
 One `specserve serve` on the config, started in auto (the mode that calibrates), warmed up once
 per mode, then the sweep: each level (a workload at a concurrency) runs --rounds rounds, and a
 round measures every mode once, back to back, in an order that rotates from round to round and
-from the same place in the workload (the rounds start at places spread over it); the
-mode is switched between windows through the operator route `PUT /internal/speculation`, and
-the prefix cache is emptied before each window (`POST /internal/reset-prefix-cache`), so every
-window starts alike. In a window, c streaming clients hold c chat requests in flight for
+from the same place in the workload (the rounds start at places spread over it); the mode is
+switched between windows through the operator route `PUT /internal/speculation`. The prefix
+cache holds every prompt of the workloads before the first window (one 1-token request each),
+so every window finds it alike and measures the steady state of a server that has seen its
+prompts (--prefix-cache cold instead empties it before each window, `POST
+/internal/reset-prefix-cache`: every request then pays its whole prefill, which takes most of a
+short window at 16+ clients). In a window, c streaming clients hold c chat requests in flight for
 --duration seconds (c / 8 times that past 8 clients) — a client sends its next request (greedy,
 --max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
 bench/policy_workload.py) as soon as its last one ends, and the requests still streaming when
@@ -99,6 +102,7 @@ class BenchSettings:
     startup_timeout: float
     kv_cache_memory: int | None = None  # bytes per server; None: the config's
     rounds: int = 1  # windows per (mode, level), interleaved with the other modes'
+    is_cold: bool = False  # empty the prefix cache before each window
 
 
 # --------------------------------------------------------------------------- the server
@@ -264,14 +268,17 @@ def bench_all(settings: BenchSettings) -> list[LevelResult]:
     with running_server(config, settings.startup_timeout) as url:
         model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
         for mode in settings.modes:  # each mode's first-use costs out of the windows
-            operate(url, headers, mode)
+            operate(url, headers, mode, is_cold=False)
             warm_up(url, headers, model, settings)
+        if not settings.is_cold:
+            prompts = dict.fromkeys(p for workload, _ in levels for p in WORKLOADS[workload]())
+            asyncio.run(fill_prefix_cache(url, headers, model, list(prompts)))
         for workload, c in levels:
             prompts = WORKLOADS[workload]()
             for round_index in range(settings.rounds):
                 offset = prompt_offset(len(prompts), round_index, settings.rounds)
                 for mode in window_order(settings.modes, round_index):
-                    operate(url, headers, mode)
+                    operate(url, headers, mode, settings.is_cold)
                     runs, window, share = asyncio.run(
                         run_level(url, headers, model, prompts, c, settings, offset)
                     )
@@ -294,14 +301,29 @@ def bench_all(settings: BenchSettings) -> list[LevelResult]:
     return results
 
 
-def operate(url: str, headers: dict[str, str], mode: str) -> None:
-    """Switch the server to `mode` and empty its prefix cache (both between windows: idle)."""
+def operate(url: str, headers: dict[str, str], mode: str, is_cold: bool) -> None:
+    """Switch the server to `mode` and, if cold, empty its prefix cache (between windows)."""
     response = httpx.put(f"{url}/internal/speculation", json={"mode": mode}, headers=headers)
     if response.status_code != 200:
         raise RuntimeError(f"could not switch to {mode}: {response.text[:300]}")
+    if not is_cold:
+        return
     response = httpx.post(f"{url}/internal/reset-prefix-cache", headers=headers)
     if response.status_code != 200:
         raise RuntimeError(f"could not reset the prefix cache: {response.text[:300]}")
+
+
+async def fill_prefix_cache(
+    url: str, headers: dict[str, str], model: str, prompts: Sequence[str]
+) -> None:
+    """Each prompt once, one token each, so their prefixes are cached before the windows."""
+    async with httpx.AsyncClient(base_url=url, timeout=900.0, headers=headers) as client:
+        for prompt in prompts:
+            body = {**chat_body(model, prompt, 1), "stream": False}
+            body.pop("stream_options")
+            response = await client.post("/v1/chat/completions", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"filling the prefix cache failed: {response.text[:300]}")
 
 
 def warm_up(url: str, headers: dict[str, str], model: str, settings: BenchSettings) -> None:
@@ -338,6 +360,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     parser.add_argument(
         "--rounds", type=int, default=3, help="windows per mode and level, interleaved"
     )
+    parser.add_argument(
+        "--prefix-cache",
+        choices=("warm", "cold"),
+        default="warm",
+        help="warm: every prompt cached before the windows; cold: emptied before each window",
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
         "--code-edit-c1",
@@ -373,6 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         startup_timeout=args.startup_timeout,
         kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib > 0 else None,
         rounds=max(1, args.rounds),
+        is_cold=args.prefix_cache == "cold",
     )
     return settings, args
 

@@ -37,6 +37,7 @@ from engine.speculation.speculator import (
     shadow_result,
 )
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
+from engine.speculation.step_time import attention_reads
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.state import GrammarState
 from engine.tokenizer import eos_token_ids
@@ -236,7 +237,7 @@ class LLMEngine:
             verifies=tuple(verifies),
             num_tokens=sum(len(c.token_ids) for c in chunks),
             num_rows=sum(c.num_logits for c in chunks),
-            context=sum(c.start + len(c.token_ids) for c in chunks),
+            context=sum(attention_reads(c.start, len(c.token_ids)) for c in chunks),
             forward_seconds=forward_seconds,
             draft_seconds=draft_seconds,
             # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.

@@ -21,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.speculation.goodput import StepShape
 from engine.speculation.policy import Candidate
 from engine.speculation.stats import Decision
+from engine.speculation.step_time import attention_reads
 
 if TYPE_CHECKING:
     from engine.speculation.speculator import DraftOffer
@@ -183,9 +184,11 @@ class Scheduler:
         shape = StepShape(
             base_tokens=sum(num_new for _, num_new in kept),
             base_rows=sum(r.num_computed_tokens + n == r.num_tokens for r, n in kept),
-            context=sum(r.num_computed_tokens + n for r, n in kept),
+            context=sum(attention_reads(r.num_computed_tokens, n) for r, n in kept),
             budget=max(budget, 0),
             num_running=len(self.running),
+            # A draft token reads its sequence's positions: about a candidate's length.
+            reads_per_draft=sum(c.request.num_tokens for c in candidates) / len(candidates),
         )
         decisions = self.policy.decide(candidates, shape)
         grants = {}

@@ -32,13 +32,13 @@ import torch
 from engine.block_manager import BlockManager
 from engine.models.bundled import cache_root
 from engine.runner import ModelRunner, SeqChunk
-from engine.speculation.step_time import StepTimeModel, pool_adjacent_violators
+from engine.speculation.step_time import StepTimeModel, attention_reads, pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
 
 _CALIBRATION_ID = "__calibration__"
 _BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
-_LONG_CONTEXT_NS = (1, 8)
+_LONG_CONTEXT_NS = (1, 4, 8)
 # Verify-shaped batches (sequences, tokens each) that price a logits row.
 _VERIFY_SHAPES = ((1, 8), (4, 4), (8, 4))
 
@@ -126,14 +126,15 @@ def calibrate(
     context_coef = 0.0
     ns = [n for n in _LONG_CONTEXT_NS if n in short]
     if ns and long_context > 0 and long_context + max(ns) <= max_model_len:
-        # The model's context counts every KV token read, the query's own included, so the
-        # slope comes from the same n at two contexts (the grid alone cannot separate them).
+        # The model's context is the attention's KV reads, the queries' own positions included,
+        # so the slope comes from the same n at two contexts (the grid alone cannot separate
+        # them): n query tokens over L more cached positions read n * L more.
         slopes = [
-            (min(timer(n, long_context), timer(n, long_context)) - short[n]) / long_context
+            (min(timer(n, long_context), timer(n, long_context)) - short[n]) / (n * long_context)
             for n in ns
         ]
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
-    values = [short[n] - context_coef * n for n in grid]
+    values = [short[n] - context_coef * attention_reads(0, n) for n in grid]
     model = StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
     if batch_timer is not None:
         model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1])
@@ -151,7 +152,8 @@ def _row_cost(
         if n > max_n:
             continue
         seconds = min(batch_timer(num_seqs, num_tokens) for _ in range(repeats))
-        costs.append((seconds - model.predict(n, n)) / (n - 1))
+        reads = num_seqs * attention_reads(0, num_tokens)
+        costs.append((seconds - model.predict(n, reads)) / (n - 1))
     return max(0.0, sorted(costs)[len(costs) // 2]) if costs else 0.0
 
 
@@ -179,7 +181,7 @@ def load_or_calibrate(
     model = calibrate(runner, block_manager, max_num_batched_tokens, max_model_len)
     logger.info(
         "calibrated the step-time model in %.1f s: t(1) = %.1f ms, t(%d) = %.1f ms, knee at %d "
-        "tokens, %.3f us per context token",
+        "tokens, %.4f us per KV position a query token reads",
         time.perf_counter() - start,
         model.predict(1) * 1e3,
         model.grid[-1],

@@ -103,7 +103,7 @@ class DraftCosts:
             if num_draft_tokens == 0:
                 return 0.0
             n, rows = shape.base_tokens + num_draft_tokens, shape.base_rows + num_draft_tokens
-            forward = step_model.predict(n, shape.context, rows)
+            forward = step_model.predict(n, shape.context_with(num_draft_tokens), rows)
             return overhead + model_seconds + extra * (forward + model_seconds)
 
         return cost

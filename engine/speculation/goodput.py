@@ -1,7 +1,8 @@
 """The policy's objective and its maximiser: tokens per second of one step, over draft lengths.
 
-goodput(k) = Σ_i E(alpha_i, k_i) / (t(n + Σ k, context, rows + Σ k) + draft seconds(k)), where
-n and rows are the step's query tokens and logits rows without drafts (engine/speculation/
+goodput(k) = Σ_i E(alpha_i, k_i) / (t(n + Σ k, reads(Σ k), rows + Σ k) + draft seconds(k)),
+where n and rows are the step's query tokens and logits rows without drafts, reads its attention's
+KV reads with Σ k drafts (each draft reads about a decoding sequence's length; engine/speculation/
 step_time.py), E the tokens a verify emits (engine/speculation/acceptance.py) and draft seconds
 what proposing the drafts costs.
 """
@@ -23,13 +24,19 @@ DraftCost = Callable[[int], float]
 @dataclass(frozen=True)
 class StepShape:
     """The step the drafts would join: its query tokens and logits rows without drafts, its
-    context (Σ sequence lengths), the token budget left for drafts and the running batch size."""
+    attention's KV reads without drafts, the token budget left for drafts, the running batch size
+    and the KV reads of one draft token (the mean length of the decoding sequences)."""
 
     base_tokens: int
     base_rows: int
     context: int
     budget: int
     num_running: int
+    reads_per_draft: float = 0.0
+
+    def context_with(self, num_drafts: int) -> int:
+        """The step's KV reads with num_drafts draft tokens on top."""
+        return self.context + round(num_drafts * self.reads_per_draft)
 
 
 def free_drafts(num_draft_tokens: int) -> float:
@@ -98,5 +105,7 @@ def _seconds(
     shape: StepShape, model: StepTimePredictor, draft_cost: DraftCost, num_drafts: int
 ) -> float:
     return model.predict(
-        shape.base_tokens + num_drafts, shape.context, shape.base_rows + num_drafts
+        shape.base_tokens + num_drafts,
+        shape.context_with(num_drafts),
+        shape.base_rows + num_drafts,
     ) + draft_cost(num_drafts)

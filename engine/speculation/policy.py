@@ -187,7 +187,7 @@ class SpeculationPolicy:
             elif sum(ks) >= shape.budget:
                 final.append("budget")
             else:
-                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape.context))
+                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape))
         return ks, final
 
     def _hold(
@@ -217,10 +217,12 @@ class SpeculationPolicy:
                 ks = other
         return ks
 
-    def _why_not(self, alpha: float, cap: int, uses_model: bool, context: int) -> str:
-        """A request left at 0 is compute_bound when drafting would pay for it alone at this
-        context (the batch's load stopped it), else low_acceptance."""
-        alone = StepShape(1, 1, context, cap, 1)
+    def _why_not(self, alpha: float, cap: int, uses_model: bool, shape: StepShape) -> str:
+        """A request left at 0 is compute_bound when drafting would pay for it alone, one
+        decoding sequence as long as this step's (the batch's load stopped it), else
+        low_acceptance."""
+        length = round(shape.reads_per_draft)
+        alone = StepShape(1, 1, length, cap, 1, reads_per_draft=shape.reads_per_draft)
         plain = goodput([alpha], [0], alone, self.step_model)
         for k in range(1, cap + 1):
             cost = _once(self.costs.alone(alpha, k, uses_model))

@@ -70,7 +70,7 @@ class StepStats:
     verifies: tuple[VerifyResult, ...]
     num_tokens: int  # query tokens of the target forward
     num_rows: int  # logits rows it computed
-    context: int  # Σ sequence lengths the forward attended over
+    context: int  # the attention's KV reads (step_time.attention_reads, summed over chunks)
     forward_seconds: float  # the target forward and the verify, device time
     draft_seconds: float  # proposing (lookups, draft-model forwards)
     overhead_seconds: float  # the rest of the step: scheduling, bookkeeping

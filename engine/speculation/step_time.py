@@ -1,8 +1,14 @@
 """The policy's cost model: how long one target step takes, learned from measured steps.
 
 t(n, context, rows) = v(n) + c * context + r * (rows - 1), where n is the step's query tokens,
-context the sum of its sequences' lengths and rows the logits rows it computes and verifies (one
-per sampling sequence plus one per draft token). v is calibrated on single-sequence forwards with
+context its attention's KV reads (`attention_reads`: each query token reads every position up to
+its own, so a sequence's chunk of q tokens after s cached ones reads q * s + q (q + 1) / 2) and
+rows the logits rows it computes and verifies (one per sampling sequence plus one per draft
+token). Reads, not the sum of the sequences' lengths: a decode token over 2,048 cached positions
+costs the same attention whether it is alone or a verify row beside 7 drafts, and a single
+length per sequence priced the verify's rows (and, calibrated on 8-token chunks, every decode
+step) wrong by up to 8x: the 1.5B model on a CPU reads ~6.5 us per KV position per query token,
+and the old coefficient charged a 16-sequence decode step at 2,000 positions 86 ms for 13. v is calibrated on single-sequence forwards with
 one logits row (engine/speculation/calibration.py); r, the cost of a row beyond the first, is
 calibrated on multi-sequence batches shaped like verify steps (every row scored). A draft token
 costs v's slope plus r: without r, a batch of sixteen sequences verifying four drafts each was
@@ -16,6 +22,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+
+
+def attention_reads(num_cached: int, num_query: int) -> int:
+    """KV positions the attention of a chunk of num_query tokens after num_cached reads."""
+    return num_query * num_cached + num_query * (num_query + 1) // 2
+
 
 # Weight of one measured step in the online refinement of v.
 STEP_TIME_RATE = 0.1
@@ -34,8 +46,8 @@ class StepTimeModel:
     of n and non-decreasing.
 
     A grid with a free value per point follows a memory-bound plateau, the knee, and a concave
-    compute-bound tail without assuming a shape; the context term is linear because attention
-    reads every cached token once. Beyond the last grid point v extends along its last slope.
+    compute-bound tail without assuming a shape; the context term is linear in the attention's
+    KV reads. Beyond the last grid point v extends along its last slope.
     `observe` refines the grid values online (an EWMA toward each measurement, split between the
     two neighbouring grid points by their interpolation weights); the context and row costs stay as
     calibrated.
@@ -122,7 +134,7 @@ class StepTimeModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": 2,
+            "version": 3,
             "grid": list(self.grid),
             "values": list(self.values),
             "context_coef": self.context_coef,
@@ -133,7 +145,8 @@ class StepTimeModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepTimeModel:
-        if data.get("version") != 2:  # version 1 had no row cost: calibrate again
+        # Version 1 had no row cost, 2 a context of sequence lengths: calibrate again.
+        if data.get("version") != 3:
             raise ValueError(f"unknown step-time model version {data.get('version')!r}")
         return cls(
             data["grid"],

@@ -12,6 +12,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculation.calibration import calibrate, is_plausible
 from engine.speculation.policy import Candidate, SpeculationPolicy
+from engine.speculation.step_time import attention_reads
 from tests.policy_fakes import KNEE, Driver, FixedMonitor, FlatThenLinear, requests, shape
 
 
@@ -187,7 +188,8 @@ def test_calibration_fits_what_it_times(target) -> None:
     engine = llm.engine
 
     def fake_timer(n: int, context: int) -> float:
-        return 0.2 * max(1.0, n / 8) + 1e-6 * context
+        # Attention costs 1 us per KV position each query token reads.
+        return 0.2 * max(1.0, n / 8) + 1e-6 * attention_reads(context, n)
 
     model = calibrate(
         engine.runner, engine.block_manager, 64, engine.max_model_len, timer=fake_timer
@@ -197,8 +199,10 @@ def test_calibration_fits_what_it_times(target) -> None:
         engine.runner, engine.block_manager, 64, engine.max_model_len, timer=lambda n, c: 0.98
     )
     assert not is_plausible(flat)  # timed while something else held the machine: not cached
-    assert model.predict(4, 0) == pytest.approx(0.2, rel=0.05)
-    assert model.predict(64, 0) == pytest.approx(1.6, rel=0.05)
+    assert model.context_coef == pytest.approx(1e-6, rel=0.01)
+    for n, cached in [(1, 0), (4, 0), (64, 0), (1, 3000), (8, 500), (16, 100)]:
+        reads = attention_reads(cached, n)
+        assert model.predict(n, reads) == pytest.approx(fake_timer(n, cached), rel=0.05)
     # Verify-shaped batches: every token a logits row costing 0.01 more than the one-row curve.
     rows = calibrate(
         engine.runner,
@@ -207,7 +211,9 @@ def test_calibration_fits_what_it_times(target) -> None:
         engine.max_model_len,
         timer=fake_timer,
         batch_timer=lambda seqs, tokens: (
-            fake_timer(seqs * tokens, seqs * tokens) + 0.01 * (seqs * tokens - 1)
+            0.2 * max(1.0, seqs * tokens / 8)
+            + 1e-6 * seqs * attention_reads(0, tokens)
+            + 0.01 * (seqs * tokens - 1)
         ),
     )
     assert model.row_coef == 0.0 and rows.row_coef == pytest.approx(0.01, rel=0.05)
@@ -215,3 +221,40 @@ def test_calibration_fits_what_it_times(target) -> None:
     real = calibrate(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1)
     assert real.predict(1) > 0 and real.grid[-1] == 16
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_steps_and_shapes_count_the_attentions_kv_reads(target) -> None:
+    """The context the step-time model prices is what attention reads: a prompt of P tokens
+    P (P + 1) / 2, a decode token after s cached positions s + 1, a verify of 1 + k tokens
+    (1 + k) s + (1 + k)(2 + k) / 2; the scheduler's shape says the same before drafts, and
+    prices each draft at a decoding sequence's length."""
+    llm = _engine_llm(target, "ngram", mode="always")
+    engine = llm.engine
+    stats_seen, shapes_checked = [], 0
+    observe, decide = engine.speculator.observe, engine.speculator.policy.decide
+
+    def record_stats(stats):
+        stats_seen.append(stats)
+        observe(stats)
+
+    def check_shape(candidates, shape):
+        nonlocal shapes_checked
+        (c,) = candidates
+        assert shape.context == attention_reads(c.request.num_computed_tokens, 1)
+        assert shape.reads_per_draft == c.request.num_tokens
+        assert shape.context_with(3) == shape.context + 3 * c.request.num_tokens
+        shapes_checked += 1
+        return decide(candidates, shape)
+
+    engine.speculator.observe = record_stats
+    engine.speculator.policy.decide = check_shape
+    prompt = [5, 6, 7, 8] * 6
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    (request,) = engine.scheduler.waiting
+    while engine.has_unfinished_requests():
+        cached = request.num_computed_tokens
+        engine.step()
+        stats = stats_seen[-1]
+        assert stats.context == attention_reads(cached, stats.num_tokens)
+    assert stats_seen[0].context == len(prompt) * (len(prompt) + 1) // 2
+    assert shapes_checked > 0 and any(s.num_tokens > 1 for s in stats_seen[1:])  # verified

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import random
@@ -283,14 +284,24 @@ def test_bench_all_interleaves_the_modes_within_each_level(monkeypatch):
 
     monkeypatch.setattr(P, "running_server", server)
     monkeypatch.setattr(P.httpx, "get", lambda *a, **kw: Models())
-    monkeypatch.setattr(P, "operate", lambda url, headers, mode: calls.append(("mode", mode)))
+    monkeypatch.setattr(
+        P, "operate", lambda url, headers, mode, is_cold: calls.append(("mode", mode, is_cold))
+    )
+
+    async def fill(url, headers, model, prompts):
+        calls.append(("fill", len(prompts)))
+
+    monkeypatch.setattr(P, "fill_prefix_cache", fill)
     monkeypatch.setattr(P, "warm_up", lambda *a: calls.append(("warm",)))
     monkeypatch.setattr(P, "run_level", level)
     config = {"engine": {"speculative_config": {"method": "ngram"}}}
     settings = P.BenchSettings(config, ("off", "auto"), (1, 4), 1.0, 8, True, 0.001, 5.0, rounds=2)
     results = P.bench_all(settings)
-    assert calls[:5] == [("start", "auto"), ("mode", "off"), ("warm",), ("mode", "auto"), ("warm",)]
-    windows = [(a[1], b[1]) for a, b in itertools.pairwise(calls[5:]) if a[0] == "mode"]
+    warm = [("mode", "off", False), ("warm",), ("mode", "auto", False), ("warm",)]
+    # every distinct prompt once (the mixed workload holds the code edits)
+    assert calls[:6] == [("start", "auto"), *warm, ("fill", len(W.mixed_prompts()))]
+    assert all(c[2] is False for c in calls[6:] if c[0] == "mode")  # warm: never emptied
+    windows = [(a[1], b[1]) for a, b in itertools.pairwise(calls[6:]) if a[0] == "mode"]
     assert windows == [("off", 1), ("auto", 1), ("auto", 1), ("off", 1)] + [
         ("off", 4),
         ("auto", 4),
@@ -309,6 +320,12 @@ def test_bench_all_interleaves_the_modes_within_each_level(monkeypatch):
     assert offsets == [0, 0, 12, 12] * 2 + [0, 0, 6, 6]
     assert [P.prompt_offset(24, r, 3) for r in range(3)] == [0, 8, 16]
     assert [P.prompt_offset(12, r, 5) for r in range(5)] == [0, 2, 4, 6, 8]
+
+    calls.clear()
+    P.bench_all(dataclasses.replace(settings, is_cold=True))
+    assert not any(c[0] == "fill" for c in calls)
+    assert calls[:5] == [("start", "auto"), *warm]
+    assert all(c[2] is True for c in calls[5:] if c[0] == "mode")  # emptied before each window
 
 
 def test_auto_vs_best_pairs_the_rounds_and_judges_the_median():
