@@ -2,13 +2,14 @@
 speculating step, the draft model's forwards and catch-up, and a correction learned from how
 long speculating steps really took against what was predicted for them.
 
-The step-time model (step_time.py) is the plain steps': it learns only from steps without
-drafts. A speculating step can cost more than the model says in ways it does not see (a draft
-model's forwards at a large batch, verify rows over long contexts), so the ratio of realised to
-predicted seconds is kept for steps with and without drafts, and a speculating step's predicted
-forward and drafting are scaled by their quotient (`correction`): a gain the model's own error
-would erase is priced out, and where the model is right (one sequence on a CPU) the correction
-stays near 1. A draft model's catch-up is charged to a decision as the share of it that the
+The step-time model (step_time.py) prices the target's forward; every step's forward refines
+it, verify steps included. A speculating step can still cost more than the model says in ways
+it does not see (a draft model's forwards at a large batch, the model lagging a shape it has
+just met), so the ratio of realised to predicted seconds (taken before the step refines the
+model) is kept for steps with and without drafts, and a speculating step's predicted forward and
+drafting are scaled by their quotient (`correction`): a gain the model's own error would erase
+is priced out, and where the model is right (one sequence on a CPU) the correction stays near
+1. A draft model's catch-up is charged to a decision as the share of it that the
 step's tokens buy, but predicted in full for the correction: the step does take all of it.
 """
 
@@ -128,11 +129,14 @@ class DraftCosts:
                 realised += stats.draft_seconds
                 predicted += self._model_seconds
             else:
-                observe = getattr(step_model, "observe", None)
-                if observe is not None:
-                    observe(stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows)
                 self._error[True] += CORRECTION_FADE * (self._error[False] - self._error[True])
             self._error[has_drafts] = _ewma(self._error[has_drafts], realised / predicted)
+            # Every step's forward refines the model at its own shape: a verify step is a batch
+            # of decode-shaped rows where calibration timed one sequence's chunk, and without
+            # its own measurements the model priced a draft row ~20% under what it cost.
+            observe = getattr(step_model, "observe", None)
+            if observe is not None:
+                observe(stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows)
         self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
         timing = stats.draft_timing
         if timing is not None and timing.num_more:

@@ -327,8 +327,8 @@ def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
 
 
 def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_error() -> None:
-    """The step-time model is the plain steps'; speculating steps that take twice their
-    prediction teach a correction of 2, which prices out drafts that paid on the model alone,
+    """With a step-time model that cannot learn (a fake), speculating steps that take twice
+    their prediction teach a correction of 2, which prices out drafts that paid on the model alone,
     and the correction fades once no speculating step confirms it."""
     policy = SpeculationPolicy("auto", 7, FlatThenLinear())
     policy.tracker = FixedAlphas()  # type: ignore[assignment]
@@ -402,3 +402,21 @@ def test_the_mode_switches_between_steps_and_auto_needs_a_calibrated_model() -> 
     decisions = calibrated.decide(candidates, step)
     assert [d.reason for d in decisions] == ["goodput"] * 2
     assert all(d.num_draft_tokens > 0 for d in decisions)
+
+
+def test_verify_steps_refine_the_step_time_model_at_their_own_shape() -> None:
+    """Calibration times one sequence's chunk; a verify step of 4 decoding sequences and 8
+    drafts is a batch of 12 decode-shaped rows that costs more. Plain steps never reach n = 12,
+    so only the verify steps' own timings can teach the model what a draft row costs there."""
+    model = StepTimeModel([1, 4, 8, 16], [1.0, 1.0, 1.2, 1.6])
+    policy = SpeculationPolicy("auto", 7, model)
+    plain = StepStats((), (), 4, 4, 0, 1.0, 0.0, 0.0)  # as calibrated
+    verify = StepStats((), (VerifyResult("r0", "ngram", 8, 4),), 12, 12, 0, 1.8, 0.0, 0.0)
+    assert model.predict(12, 0, 12) == pytest.approx(1.4)
+    for _ in range(60):
+        policy.observe(plain)
+        policy.observe(verify)
+    assert model.predict(12, 0, 12) == pytest.approx(1.8, rel=0.02)
+    assert model.predict(4, 0, 4) == pytest.approx(1.0, rel=0.02)  # the plain shape kept
+    # The model now predicts the verify steps right, so their error no longer needs correcting.
+    assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
