@@ -73,8 +73,9 @@ bench: $(VENV)/.models
 	$(PY) bench/throughput.py
 	$(PY) bench/spec.py
 
-# The speculation policy over HTTP: modes off / always / auto, 1 to 32 streaming clients (~25 min
-# on 2 CPU cores); writes bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
+# The speculation policy over HTTP: modes off / always / auto on one server, 1 to 32 streaming
+# clients, three interleaved rounds per level (~35 min on 2 CPU cores); writes
+# bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
 bench-policy: $(VENV)/.models $(VENV)/.bench
 	$(PY) bench/policy.py $(ARGS)
 

@@ -1,8 +1,8 @@
 """The speculation policy: each step, a draft length k and one reason per decoding request.
 
-One model decides. The step-time model (step_time.py) prices a plain step, the drafting costs
-(costs.py: the overhead of speculating, the draft model's forwards and catch-up, and the learned
-correction of speculating steps' cost) the rest, each request's acceptance estimate
+One model decides. The step-time model (step_time.py) prices the target's forward, the drafting
+costs (costs.py: the overhead of speculating, the draft model's forwards and catch-up, and the
+learned correction of speculating steps' cost) the rest, each request's acceptance estimate
 (acceptance.py) says what its drafts would earn, and the allocation maximises the step's goodput
 (goodput.py). Before it, operator limits and opt-outs cap k; after it, a switch (a request on or
 off, the draft model deeper or shallower) is held back unless it gains more than SWITCH_MARGIN.
