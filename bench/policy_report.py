@@ -83,7 +83,7 @@ def format_table(levels: Sequence[LevelResult]) -> str:
         ratio = f"{r.tokens_per_s / off:.2f}x" if off else "-"
         share = "-" if r.speculating_share is None else f"{100 * r.speculating_share:.0f}%"
         values = spread[(r.mode, r.workload, r.concurrency)]
-        span = f"{min(values):.1f}-{max(values):.1f}" if len(values) > 1 else "-"
+        span = f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else "-"
         lines.append(
             f"| {r.concurrency} | {r.mode} | {r.tokens_per_s:.2f} | {span} | {ratio} "
             f"| {_ms(r.ttft_p50)} | {_ms(r.ttft_p99)} | {_ms(r.itl_p50)} | {_ms(r.itl_p99)} "

@@ -370,8 +370,8 @@ def test_format_table_shows_the_medians_their_range_and_the_ratio_to_off():
     rounds = [_level("off", 2, x, round=r) for r, x in enumerate([20.0, 26.0, 21.0])]
     rounds += [_level("auto", 2, x, share=0.5, round=r) for r, x in enumerate([30.0, 31.5, 27.0])]
     rows = PR.format_table(rounds).splitlines()[2:]
-    assert rows[0].startswith("| 2 | off | 21.00 | 20.0-26.0 | 1.00x |")
-    assert rows[1].startswith("| 2 | auto | 30.00 | 27.0-31.5 | 1.43x |")
+    assert rows[0].startswith("| 2 | off | 21.00 | 20.00-26.00 | 1.00x |")
+    assert rows[1].startswith("| 2 | auto | 30.00 | 27.00-31.50 | 1.43x |")
     (off,) = [r for r in PR.combined(rounds) if r.mode == "off"]
     assert off.num_requests == 12 and off.num_completion_tokens == 300 and off.round == 3
 
