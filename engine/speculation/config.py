@@ -13,6 +13,12 @@ from typing import Any
 SPEC_MODES = ("off", "always", "auto")
 
 
+def check_mode(mode: object) -> None:
+    """ValueError unless `mode` names a policy mode (the config's, or an operator's switch)."""
+    if mode not in SPEC_MODES:
+        raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}.")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine drafts: which proposers, how many tokens, and the draft model."""
@@ -53,8 +59,7 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         if not 0.0 <= self.draft_min_confidence < 1.0:
             raise ValueError("draft_min_confidence must be in [0, 1).")
-        if self.mode not in SPEC_MODES:
-            raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}.")
+        check_mode(self.mode)
         if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
             raise ValueError("spec_disable_batch_size must be at least 1.")
         utilization = self.spec_disable_utilization

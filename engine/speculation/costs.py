@@ -132,8 +132,8 @@ class DraftCosts:
                 self._error[True] += CORRECTION_FADE * (self._error[False] - self._error[True])
             self._error[has_drafts] = _ewma(self._error[has_drafts], realised / predicted)
             # Every step's forward refines the model at its own shape: a verify step is a batch
-            # of decode-shaped rows where calibration timed one sequence's chunk, and without
-            # its own measurements the model priced a draft row ~20% under what it cost.
+            # of decode-shaped rows at an n plain steps may never reach, where calibration timed
+            # one sequence's chunk.
             observe = getattr(step_model, "observe", None)
             if observe is not None:
                 observe(stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from engine.device_monitor import DeviceMonitor
 from engine.request import Request
 from engine.speculation.acceptance import AcceptanceTracker
-from engine.speculation.config import SPEC_MODES
+from engine.speculation.config import check_mode
 from engine.speculation.costs import MODEL_SOURCES, DraftCosts
 from engine.speculation.goodput import DraftCost, StepShape, best_draft_lengths, goodput
 from engine.speculation.stats import Decision, StepStats
@@ -88,8 +88,7 @@ class SpeculationPolicy:
     def set_mode(self, mode: str) -> None:
         """Switch the mode between steps (an operator's call, `PUT /internal/speculation`).
         What was learned is kept; auto needs a step-time model calibrated at start."""
-        if mode not in SPEC_MODES:
-            raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}.")
+        check_mode(mode)
         if mode == "auto" and not self.is_calibrated:
             raise ValueError(
                 "mode auto needs the step-time model calibrated at start: start the server "
