@@ -22,8 +22,12 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path) -> Iterator[LiveServer]:
-    # Predictions speculate: a text prediction's ids must be the engine's to be accepted.
-    settings = tiny_settings(tiny_chat_model, MODEL, speculative_config={"method": "prediction"})
+    # Predictions speculate: a text prediction's ids must be the engine's to be accepted. Mode
+    # "always": under auto the policy may judge a draft not worth its verify on a loaded host,
+    # and this test is about the ids, not the policy.
+    settings = tiny_settings(
+        tiny_chat_model, MODEL, speculative_config={"method": "prediction", "mode": "always"}
+    )
     with live_server(create_app(settings)) as live:
         yield live
 
