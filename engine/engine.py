@@ -222,6 +222,7 @@ class LLMEngine:
         requests, and let everyone who learns or counts observe the step's StepStats. Returns the
         outputs that changed."""
         start = time.perf_counter()
+        mode, num_generated = self.speculator.mode, self.metrics.num_generation_tokens
         schedule = self.scheduler.schedule(self.speculator.offer(self.scheduler.running))
         if schedule.is_empty:
             return []
@@ -243,6 +244,8 @@ class LLMEngine:
             # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.
             overhead_seconds=time.perf_counter() - start - forward_seconds - draft_seconds,
             draft_timing=self.speculator.take_draft_timing(),
+            mode=mode,
+            num_generated=self.metrics.num_generation_tokens - num_generated,
         )
         self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
         for request in finished:  # freed once the policy has seen their last step

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from engine.engine import LLMEngine
 from engine.metrics import Histogram
+from engine.speculation.config import SPEC_MODES
 
 PREFIX = "specserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -128,6 +129,8 @@ class EngineSnapshot:
     draft_tokens_per_step: HistogramData
     num_requests_speculating: int
     num_requests_decoding: int
+    mode_seconds: tuple[tuple[str, float], ...]  # (policy mode, seconds of its steps)
+    mode_tokens: tuple[tuple[str, int], ...]  # (policy mode, tokens its steps generated)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -166,6 +169,8 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
         draft_tokens_per_step=HistogramData.of(policy.draft_tokens_per_step),
         num_requests_speculating=policy.num_requests_speculating,
         num_requests_decoding=policy.num_requests_decoding,
+        mode_seconds=tuple(policy.mode_seconds.items()),
+        mode_tokens=tuple(policy.mode_tokens.items()),
     )
 
 
@@ -254,6 +259,22 @@ class EngineCollector(Collector):
             decisions.keys(),
             decisions.values(),
         )
+        seconds = dict.fromkeys(SPEC_MODES, 0.0) | dict(s.mode_seconds)
+        yield self._counter(
+            "spec_decode_mode_seconds",
+            "Seconds of engine steps, by the speculation mode they were decided in.",
+            "mode",
+            ((mode,) for mode in seconds),
+            seconds.values(),
+        )
+        tokens = dict.fromkeys(SPEC_MODES, 0) | dict(s.mode_tokens)
+        yield self._counter(
+            "spec_decode_mode_generation_tokens",
+            "Generation tokens of engine steps, by the speculation mode they were decided in.",
+            "mode",
+            ((mode,) for mode in tokens),
+            tokens.values(),
+        )
 
     def _counter(
         self,
@@ -261,7 +282,7 @@ class EngineCollector(Collector):
         doc: str,
         label_names: str | tuple[str, ...],
         label_values: Iterable[tuple[str, ...]],
-        counts: Iterable[int],
+        counts: Iterable[float],
     ) -> Metric:
         names = (label_names,) if isinstance(label_names, str) else label_names
         counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", *names])

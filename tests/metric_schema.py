@@ -22,6 +22,8 @@ COUNTERS = (
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
     "spec_decode_policy_decisions",
+    "spec_decode_mode_seconds",
+    "spec_decode_mode_generation_tokens",
     "spec_decode_num_cut_by_stop_tokens",
     "spec_decode_num_prediction_accepted_tokens",
     "spec_decode_num_prediction_rejected_tokens",

@@ -287,6 +287,20 @@ SPECULATION = (
         description="Per-request speculation decisions per second, and why.",
     ),
     Panel(
+        "Generated tokens per step-second, by mode",
+        (
+            Query(
+                f"{rate('spec_decode_mode_generation_tokens_total', 'mode')}"
+                f" / {rate('spec_decode_mode_seconds_total', 'mode')}",
+                "{{mode}}",
+            ),
+        ),
+        unit="short",
+        width=12,
+        description="What each speculation mode earns while the engine runs in it (tokens over "
+        "the seconds of its steps): after an operator's switch, the modes side by side.",
+    ),
+    Panel(
         "Draft vs verify time per step",
         (
             Query(mean("spec_decode_draft_time_seconds"), "draft mean {{model_name}}"),

@@ -75,6 +75,13 @@ class StepStats:
     draft_seconds: float  # proposing (lookups, draft-model forwards)
     overhead_seconds: float  # the rest of the step: scheduling, bookkeeping
     draft_timing: DraftTiming | None = None  # the draft model's forwards, when it ran
+    mode: str = "auto"  # the policy's mode the step was decided in (off / always / auto)
+    num_generated: int = 0  # tokens the step appended to outputs (after stop conditions)
+
+    @property
+    def seconds(self) -> float:
+        """The step's time: forward, drafting and the rest."""
+        return self.forward_seconds + self.draft_seconds + self.overhead_seconds
 
     @property
     def has_drafts(self) -> bool:
@@ -152,6 +159,9 @@ class PolicyStats:
 
     Each step, every decoding request with a draft source gets one decision: "speculate"
     (k > 0) with a reason of SPECULATE_REASONS, or "skip" (k = 0) with one of SKIP_REASONS.
+    Every step also counts, under the mode it was decided in, its seconds and the tokens it
+    generated: what each mode earns while it runs, when an operator switches modes on a live
+    server (bench/policy.py compares modes that way, slice by slice under one load).
     """
 
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (decision, reason)
@@ -160,8 +170,13 @@ class PolicyStats:
     )
     num_requests_speculating: int = 0  # decoding requests granted k > 0 in the latest step
     num_requests_decoding: int = 0  # decoding requests in the latest step
+    mode_seconds: dict[str, float] = field(default_factory=dict)  # mode -> seconds of its steps
+    mode_tokens: dict[str, int] = field(default_factory=dict)  # mode -> tokens its steps made
 
     def observe(self, step: StepStats) -> None:
+        if step.num_tokens:
+            self.mode_seconds[step.mode] = self.mode_seconds.get(step.mode, 0.0) + step.seconds
+            self.mode_tokens[step.mode] = self.mode_tokens.get(step.mode, 0) + step.num_generated
         for d in step.decisions:
             key = (d.decision, d.reason)
             self.decisions[key] = self.decisions.get(key, 0) + 1

@@ -258,3 +258,36 @@ def test_steps_and_shapes_count_the_attentions_kv_reads(target) -> None:
         assert stats.context == attention_reads(cached, stats.num_tokens)
     assert stats_seen[0].context == len(prompt) * (len(prompt) + 1) // 2
     assert shapes_checked > 0 and any(s.num_tokens > 1 for s in stats_seen[1:])  # verified
+
+
+def test_steps_count_their_seconds_and_tokens_under_the_mode_they_ran_in(target) -> None:
+    """A switch between steps splits the counts: each step's seconds and generated tokens go to
+    the mode it was decided in, and the modes' tokens add up to every token generated."""
+    llm = _engine_llm(target, "ngram", mode="always")
+    engine = llm.engine
+    stats_seen = []
+    observe = engine.speculator.observe
+
+    def record_stats(stats):
+        stats_seen.append(stats)
+        observe(stats)
+
+    engine.speculator.observe = record_stats
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    engine.add_request("b", prompt[::-1], params)
+    for _ in range(4):
+        engine.step()
+    engine.set_speculation_mode("off")
+    while engine.has_unfinished_requests():
+        engine.step()
+    modes = [s.mode for s in stats_seen]
+    assert modes == ["always"] * 4 + ["off"] * (len(stats_seen) - 4)
+    policy = engine.policy_stats
+    for mode in ("always", "off"):
+        steps = [s for s in stats_seen if s.mode == mode]
+        assert policy.mode_tokens[mode] == sum(s.num_generated for s in steps) > 0
+        assert policy.mode_seconds[mode] == pytest.approx(sum(s.seconds for s in steps))
+    assert policy.mode_tokens["always"] > 2 * 4  # drafts accepted: more than a token a step
+    assert sum(policy.mode_tokens.values()) == engine.metrics.num_generation_tokens == 60

@@ -239,6 +239,16 @@ def test_series_and_log_line_follow_the_engine(tiny_llama) -> None:
         engine.metrics.verify_time.sum
     )
     assert value("spec_decode_policy_decisions", "_total", decision="skip", reason="mode_off") == 0
+    # Every step ran in mode always: its seconds and tokens are there, the other modes at 0.
+    policy = engine.policy_stats
+    assert value("spec_decode_mode_generation_tokens", "_total", mode="always") == 20
+    assert value("spec_decode_mode_seconds", "_total", mode="always") == pytest.approx(
+        policy.mode_seconds["always"]
+    )
+    assert policy.mode_seconds["always"] > 0
+    for mode in ("off", "auto"):
+        assert value("spec_decode_mode_generation_tokens", "_total", mode=mode) == 0
+        assert value("spec_decode_mode_seconds", "_total", mode=mode) == 0
     assert value("num_requests_running") == 0 and value("kv_cache_usage_perc") == 0
 
     line = format_stats_line(first, snapshot, seconds=2.0)
