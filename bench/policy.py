@@ -1,25 +1,26 @@
 """The speculation policy over HTTP: modes off / always / auto side by side in one run.
 
 One `specserve serve` on the config, started in auto (the mode that calibrates), warmed up once
-per mode, then the sweep: each level (a workload at a concurrency) runs --rounds rounds, and a
-round measures every mode once, back to back, in an order that rotates from round to round and
-from the same place in the workload (the rounds start at places spread over it); the mode is
-switched between windows through the operator route `PUT /internal/speculation`. The prefix
-cache holds every prompt of the workloads before the first window (one 1-token request each),
-so every window finds it alike and measures the steady state of a server that has seen its
-prompts (--prefix-cache cold instead empties it before each window, `POST
-/internal/reset-prefix-cache`: every request then pays its whole prefill, which takes most of a
-short window at 16+ clients). In a window, c streaming clients hold c chat requests in flight for
---duration seconds (c / 8 times that past 8 clients) — a client sends its next request (greedy,
---max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
-bench/policy_workload.py) as soon as its last one ends, and the requests still streaming when
-the window closes are cut off (the server aborts them). Holding the concurrency for the whole
-window measures the engine at c, not a ramp-down through every concurrency below it. On this
-class of host one window of a level moves 5-20% between runs of the same code: the rounds, paired
-in time, are what let a 3% difference be read at all.
+per mode; the prefix cache holds every prompt of the workloads before the first level (one
+1-token request each), so the levels measure the steady state of a server that has seen its
+prompts. In a level, c streaming clients hold c chat requests in flight — a client sends its next
+request (greedy, --max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
+bench/policy_workload.py) as soon as its last one ends; holding the concurrency measures the
+engine at c, not a ramp-down through every concurrency below it. The mode is switched through the
+operator route `PUT /internal/speculation`, in one of two ways:
 
-Per (mode, c) and round: total tokens/s (tokens streamed inside the window over its length),
-TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of one step) and
+- slices (the default, --slice seconds, c / 8 times that past 8 clients): the clients never stop
+  for the whole level; the modes take turns, one slice each per round (--rounds), in an order
+  that rotates each round, and each slice's tokens/s is the server's own count for its mode (the
+  generation tokens over the seconds of the engine steps decided in it; bench/policy_clients.py).
+  On this class of host the same step runs 10-25% slower minutes apart, and slices share that
+  drift, the requests in flight and the prefix cache between the modes;
+- windows (--slice 0): each round measures every mode in a window of its own (--duration
+  seconds, c / 8 times that past 8 clients) from the same place in the workload, the requests
+  still streaming at its end cut off; tokens/s counts the tokens streamed inside the window.
+  --prefix-cache cold empties the cache before each window (`POST /internal/reset-prefix-cache`).
+
+Per (mode, c) and round: total tokens/s, TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of one step) and
 the share of the policy's per-request decisions that speculated (/metrics deltas). Then a
 code-edit-only level at concurrency 1. The server runs with max_num_seqs >= the largest
 concurrency and --kv-cache-gib of KV cache.
@@ -31,7 +32,8 @@ and whether the targets hold (auto within 3% of the best at every c; code edit a
 bench/policy_report.py formats them.
 
     python bench/policy.py [--config configs/default.yaml] [--modes off,always,auto]
-        [--concurrency 1,2,4,8,16,32] [--duration 20] [--rounds 3] [--max-tokens 96]
+        [--concurrency 1,2,4,8,16,32] [--slice 10] [--rounds 6] [--max-tokens 96]
+    python bench/policy.py --slice 0 --rounds 3 --duration 20    # windows
     python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2, one round: a minute
 """
 
@@ -58,29 +60,25 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "bench") not in sys.path:  # already first when run as a script
     sys.path.insert(0, str(ROOT / "bench"))
 
+from policy_clients import chat_body, run_level, run_sliced, stream_request  # noqa: E402
 from policy_report import check_targets, plot, report  # noqa: E402
 from policy_workload import (  # noqa: E402
     WORKLOADS,
-    ChatStreamReader,
     LevelResult,
     RequestResult,
-    decision_counts,
-    parse_prometheus,
-    speculating_share,
     summarize_level,
 )
 from processes import serving  # noqa: E402
 
 logger = logging.getLogger("bench.policy")
 
-BUSY = ("specserve:num_requests_running", "specserve:num_requests_waiting")
-LONGER_FROM = 8  # concurrency past which a level's window grows with c
 
 SMOKE = {
     "config": "configs/smollm2-cpu.yaml",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 5},
     "concurrency": [1, 2],
     "duration": 5.0,
+    "slice": 4.0,
     "rounds": 1,
     "max_tokens": 16,
     "out": "bench/results/policy-smoke.json",
@@ -103,6 +101,7 @@ class BenchSettings:
     kv_cache_memory: int | None = None  # bytes per server; None: the config's
     rounds: int = 1  # windows per (mode, level), interleaved with the other modes'
     is_cold: bool = False  # empty the prefix cache before each window
+    slice: float = 0.0  # > 0: the modes take turns in slices this long under one load
 
 
 # --------------------------------------------------------------------------- the server
@@ -138,118 +137,20 @@ def running_server(config: dict[str, Any], startup_timeout: float) -> Iterator[s
         yield url
 
 
-# --------------------------------------------------------------------------- the clients
-
-
-async def stream_request(
-    client: httpx.AsyncClient,
-    body: dict[str, Any],
-    prompt_index: int,
-    reader: ChatStreamReader | None = None,
-) -> RequestResult:
-    """One streamed chat completion; a failure becomes a result with `error` set. Cancelling
-    the task closes the stream (the server aborts the request); `reader` keeps what arrived."""
-    reader = reader or ChatStreamReader(time.perf_counter())
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
-            async for line in response.aiter_lines():
-                reader.feed(line, time.perf_counter())
-        if not reader.is_done:
-            raise RuntimeError("the stream ended without [DONE]")
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, the level goes on
-        now = time.perf_counter()
-        return dataclasses.replace(reader.result(prompt_index, now), error=str(e))
-    return reader.result(prompt_index, time.perf_counter())
-
-
-async def run_level(
-    url: str,
-    headers: dict[str, str],
-    model: str,
-    prompts: Sequence[str],
-    concurrency: int,
-    settings: BenchSettings,
-    offset: int = 0,
-) -> tuple[list[RequestResult], tuple[float, float], float | None]:
-    """c closed-loop clients for level_duration(...) seconds; client i sends prompts offset + i,
-    offset + i + c, offset + i + 2c, ... (round-robin) and its request in flight when the window
-    closes is cut off. Returns the results, the window (start, end) and the share of decisions
-    that speculated."""
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(
-        base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
-    ) as client:
-        before = decision_counts(parse_prometheus((await client.get("/metrics")).text))
-        start = time.perf_counter()
-        end = start + level_duration(settings.duration, concurrency)
-
-        async def one_client(i: int) -> list[RequestResult]:
-            results, j = [], 0
-            while (left := end - time.perf_counter()) > 0:
-                index = (offset + j * concurrency + i) % len(prompts)
-                body = chat_body(model, prompts[index], settings.max_tokens)
-                reader = ChatStreamReader(time.perf_counter())
-                try:
-                    result = await asyncio.wait_for(
-                        stream_request(client, body, index, reader), left
-                    )
-                except TimeoutError:
-                    now = time.perf_counter()
-                    result = dataclasses.replace(reader.result(index, now), cancelled=True)
-                results.append(result)
-                j += 1
-            return results
-
-        per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
-        await wait_idle(client, settings.startup_timeout)
-        after = decision_counts(parse_prometheus((await client.get("/metrics")).text))
-    return [r for rs in per_client for r in rs], (start, end), speculating_share(before, after)
-
-
-def level_duration(duration: float, concurrency: int) -> float:
-    """The window of a level: `duration`, longer past LONGER_FROM clients in proportion to c —
-    one round of c requests takes about c / LONGER_FROM times longer there (the batch is
-    compute-bound), and a window must hold several rounds, not one round and its prefill
-    burst."""
-    return duration * max(1.0, concurrency / LONGER_FROM)
-
-
-async def wait_idle(client: httpx.AsyncClient, timeout: float) -> None:
-    """Until the server has aborted the cut-off requests: nothing running or waiting."""
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        series = parse_prometheus((await client.get("/metrics")).text)
-        busy = sum(value for name in BUSY for _, value in series.get(name, []))
-        if busy == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"the server still had requests in flight after {timeout:.0f} s")
-
-
-def chat_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 def auth_headers(config: dict[str, Any]) -> dict[str, str]:
     key = os.environ.get("SPECSERVE_API_KEY") or (config.get("server") or {}).get("api_key")
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def window_order(modes: Sequence[str], round_index: int) -> list[str]:
-    """The modes of one round of a level, rotated by the round: each mode goes first, middle and
-    last as often as the others, so a drift within a level's rounds falls on every mode."""
-    shift = round_index % len(modes)
-    return [*modes[shift:], *modes[:shift]]
+    """The modes of one round of a level: rotated by the round, and from the second len(modes)
+    rounds on reversed too, so over 2 * len(modes) rounds each mode goes first, middle and last
+    as often as the others and follows each of them as often (a slice inherits the requests in
+    flight from the one before it)."""
+    n = len(modes)
+    order = list(modes) if (round_index // n) % 2 == 0 else list(reversed(modes))
+    shift = round_index % n
+    return [*order[shift:], *order[:shift]]
 
 
 def prompt_offset(num_prompts: int, round_index: int, rounds: int) -> int:
@@ -275,30 +176,71 @@ def bench_all(settings: BenchSettings) -> list[LevelResult]:
             asyncio.run(fill_prefix_cache(url, headers, model, list(prompts)))
         for workload, c in levels:
             prompts = WORKLOADS[workload]()
-            for round_index in range(settings.rounds):
-                offset = prompt_offset(len(prompts), round_index, settings.rounds)
-                for mode in window_order(settings.modes, round_index):
-                    operate(url, headers, mode, settings.is_cold)
-                    runs, window, share = asyncio.run(
-                        run_level(url, headers, model, prompts, c, settings, offset)
-                    )
-                    level = summarize_level(
-                        mode, workload, c, runs, window, share, settings.burst_gap
-                    )
-                    level = dataclasses.replace(level, round=round_index)
-                    for r in runs:
-                        if r.error:
-                            logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
-                    logger.info(
-                        "%s %s c=%d round %d: %.2f tokens/s",
-                        mode,
-                        workload,
-                        c,
-                        round_index + 1,
-                        level.tokens_per_s,
-                    )
-                    results.append(level)
+            measure = measure_sliced if settings.slice > 0 else measure_windows
+            for level in measure(url, headers, model, workload, prompts, c, settings):
+                logger.info(
+                    "%s %s c=%d round %d: %.2f tokens/s",
+                    level.mode,
+                    workload,
+                    c,
+                    level.round + 1,
+                    level.tokens_per_s,
+                )
+                results.append(level)
     return results
+
+
+def measure_windows(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    workload: str,
+    prompts: Sequence[str],
+    c: int,
+    settings: BenchSettings,
+) -> Iterator[LevelResult]:
+    """A level in windows: each round, every mode in its own window from the round's offset."""
+    for round_index in range(settings.rounds):
+        offset = prompt_offset(len(prompts), round_index, settings.rounds)
+        for mode in window_order(settings.modes, round_index):
+            operate(url, headers, mode, settings.is_cold)
+            runs, window, share = asyncio.run(
+                run_level(url, headers, model, prompts, c, settings, offset)
+            )
+            _log_errors(mode, c, runs)
+            level = summarize_level(mode, workload, c, runs, window, share, settings.burst_gap)
+            yield dataclasses.replace(level, round=round_index)
+
+
+def measure_sliced(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    workload: str,
+    prompts: Sequence[str],
+    c: int,
+    settings: BenchSettings,
+) -> Iterator[LevelResult]:
+    """A level in slices: one load, the modes in turn (rotating each round); each slice's
+    tokens/s is the server's count for its mode, tokens over the seconds of its steps."""
+    schedule = [(r, m) for r in range(settings.rounds) for m in window_order(settings.modes, r)]
+    runs, slices = asyncio.run(run_sliced(url, headers, model, prompts, c, settings, schedule))
+    _log_errors("sliced", c, runs)
+    for s in slices:
+        level = summarize_level(s.mode, workload, c, runs, s.window, s.share, settings.burst_gap)
+        yield dataclasses.replace(
+            level,
+            round=s.round,
+            num_completion_tokens=int(s.num_tokens),
+            wall_time=s.seconds,
+            tokens_per_s=s.num_tokens / s.seconds if s.seconds > 0 else 0.0,
+        )
+
+
+def _log_errors(mode: str, c: int, runs: Sequence[RequestResult]) -> None:
+    for r in runs:
+        if r.error:
+            logger.warning("%s c=%d: request failed: %s", mode, c, r.error)
 
 
 def operate(url: str, headers: dict[str, str], mode: str, is_cold: bool) -> None:
@@ -355,10 +297,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         "--duration",
         type=float,
         default=20.0,
-        help="seconds each window holds its concurrency (c / 8 times that past c = 8)",
+        help="with --slice 0: seconds each window holds its concurrency (c / 8 times that past "
+        "c = 8)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="windows per mode and level, interleaved"
+        "--rounds", type=int, default=6, help="slices (or windows) per mode and level, in turns"
+    )
+    parser.add_argument(
+        "--slice",
+        type=float,
+        default=10.0,
+        help="the modes take turns in slices of this many seconds (c / 8 times that past "
+        "c = 8) under one continuous load; 0: a window per mode and round instead",
     )
     parser.add_argument(
         "--prefix-cache",
@@ -382,13 +332,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     parser.add_argument("--plot", default="docs/policy.png")
     parser.add_argument("--smoke", action="store_true", help="SmolLM2-135M, n-gram, c=1,2")
     args = parser.parse_args(argv)
+    if args.slice > 0 and args.prefix_cache == "cold":
+        parser.error("--prefix-cache cold empties the cache between windows: it needs --slice 0")
     config_path = SMOKE["config"] if args.smoke else args.config
     config = yaml.safe_load((ROOT / config_path).read_text())
     if args.smoke:
         config["engine"]["speculative_config"] = SMOKE["speculative_config"]
         args.concurrency = tuple(SMOKE["concurrency"])
         args.duration, args.max_tokens = SMOKE["duration"], SMOKE["max_tokens"]
-        args.rounds = SMOKE["rounds"]
+        args.rounds, args.slice = SMOKE["rounds"], SMOKE["slice"]
         args.out, args.plot = SMOKE["out"], SMOKE["plot"]
     settings = BenchSettings(
         config=config,
@@ -402,6 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib > 0 else None,
         rounds=max(1, args.rounds),
         is_cold=args.prefix_cache == "cold",
+        slice=max(0.0, args.slice),
     )
     return settings, args
 

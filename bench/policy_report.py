@@ -16,6 +16,7 @@ from policy_workload import LevelResult
 
 AUTO_TOLERANCE = 0.03  # auto may trail the better fixed mode by this much
 CODE_EDIT_TARGET = 1.5  # auto over off, code edit at concurrency 1
+FIXED_MODES = ("off", "always")  # auto is judged against the better of those measured
 
 
 def _ms(seconds: float | None) -> str:
@@ -113,15 +114,14 @@ def _paired(runs_a: Sequence[LevelResult], runs_b: Sequence[LevelResult]) -> tup
 
 
 def auto_vs_best(levels: Sequence[LevelResult]) -> dict[int, Gap]:
-    """Per concurrency of the mixed workload, auto against the better of off and always. Levels
-    missing a mode are left out."""
+    """Per concurrency of the mixed workload, auto against the better of the fixed modes the run
+    measured (off, always, or both). Levels without auto or a fixed mode are left out."""
     runs = {(m, c): rs for (m, w, c), rs in rounds_of(levels).items() if w == "mixed"}
     out = {}
     for c in sorted({c for _, c in runs}):
-        if all((m, c) in runs for m in ("off", "always", "auto")):
-            best = max(
-                ("off", "always"), key=lambda m: _median([r.tokens_per_s for r in runs[(m, c)]])
-            )
+        fixed = [m for m in FIXED_MODES if (m, c) in runs]
+        if ("auto", c) in runs and fixed:
+            best = max(fixed, key=lambda m: _median([r.tokens_per_s for r in runs[(m, c)]]))
             per_round = _paired(runs[("auto", c)], runs[(best, c)])
             if per_round:
                 out[c] = Gap(best, per_round)
@@ -154,10 +154,12 @@ def report(levels: Sequence[LevelResult]) -> str:
     if code:
         parts += ["", "Code edit only, concurrency 1:", "", format_table(code)]
     parts.append("")
+    measured = {r.mode for r in mixed}
     for c, gap in auto_vs_best(levels).items():
         rounds = ", ".join(f"{100 * g:+.1f}%" for g in gap.per_round)
         parts.append(
-            f"c={c}: auto vs best(off, always): {100 * gap.median:+.1f}% median "
+            f"c={c}: auto vs best({', '.join(m for m in FIXED_MODES if m in measured)}): "
+            f"{100 * gap.median:+.1f}% median "
             f"(best: {gap.best}; per round: {rounds})"
         )
     targets = check_targets(levels)

@@ -285,6 +285,8 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
 
 
 DECISIONS = "specserve:spec_decode_policy_decisions_total"
+MODE_TOKENS = "specserve:spec_decode_mode_generation_tokens_total"
+MODE_SECONDS = "specserve:spec_decode_mode_seconds_total"
 
 
 def decision_counts(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[str, float]:
@@ -295,6 +297,16 @@ def decision_counts(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -
         decision = labels.get("decision", "")
         counts[decision] = counts.get(decision, 0.0) + value
     return counts
+
+
+def mode_counters(
+    metrics: Mapping[str, list[tuple[dict[str, str], float]]],
+) -> dict[str, tuple[float, float]]:
+    """Per speculation mode, the (generation tokens, seconds) of the engine steps decided in it;
+    empty when the server does not export them."""
+    tokens = {labels.get("mode", ""): v for labels, v in metrics.get(MODE_TOKENS, [])}
+    seconds = {labels.get("mode", ""): v for labels, v in metrics.get(MODE_SECONDS, [])}
+    return {mode: (tokens[mode], seconds.get(mode, 0.0)) for mode in tokens}
 
 
 def speculating_share(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:

@@ -5,6 +5,7 @@ server config and one streamed request against a mock transport."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -17,7 +18,7 @@ import pytest
 
 from tests.unit.bench_scripts import load_bench_script
 
-P, W, PR = load_bench_script("policy.py", "policy_workload", "policy_report")
+P, W, PR, C = load_bench_script("policy.py", "policy_workload", "policy_report", "policy_clients")
 
 
 def _level(mode, c, tps, workload="mixed", share=None, round=0) -> W.LevelResult:
@@ -212,6 +213,85 @@ def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window():
     assert level.num_completion_tokens == sum(len(r.token_times) for r in results)
 
 
+def test_sliced_level_counts_each_mode_from_the_servers_counters():
+    """One load, the modes in turn: each slice's tokens and seconds are what the server counted
+    for its mode between the scrapes around its switches. The mock's engine runs one step of the
+    current mode per scrape (off 10 tokens a second, always 20, auto 30): every slice must read
+    its own mode's rate, whichever modes came before it."""
+    rates = {"off": 10.0, "always": 20.0, "auto": 30.0}
+    state = {"mode": "auto", "switches": [], "open": 0, "max_open": 0}
+    tokens = dict.fromkeys(rates, 0.0)
+    seconds = dict.fromkeys(rates, 0.0)
+    decided = {"speculate": 0, "skip": 0}
+
+    def metrics() -> str:
+        mode = state["mode"]  # a step of the current mode ran since the last scrape
+        tokens[mode] += rates[mode]
+        seconds[mode] += 1.0
+        decided["skip" if mode == "off" else "speculate"] += 1
+        lines = ['specserve:num_requests_running{model_name="m"} 0']
+        for name, counts in ((W.MODE_TOKENS, tokens), (W.MODE_SECONDS, seconds)):
+            lines += [f'{name}{{mode="{m}",model_name="m"}} {v}' for m, v in counts.items()]
+        reasons = {"speculate": "goodput", "skip": "mode_off"}
+        lines += [
+            f'{W.DECISIONS}{{decision="{d}",model_name="m",reason="{reasons[d]}"}} {n}'
+            for d, n in decided.items()
+        ]
+        return "\n".join(lines) + "\n"
+
+    async def stream():
+        state["open"] += 1
+        state["max_open"] = max(state["max_open"], state["open"])
+        try:
+            for _ in range(1000):
+                await asyncio.sleep(0.01)
+                yield (_chunk(content="t") + "\n\n").encode()
+        finally:
+            state["open"] -= 1
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics())
+        if request.url.path == "/internal/speculation":
+            assert request.method == "PUT"
+            state["mode"] = json.loads(request.content)["mode"]
+            state["switches"].append(state["mode"])
+            return httpx.Response(200, json={"mode": state["mode"]})
+        return httpx.Response(200, content=stream())
+
+    modes = ("off", "always", "auto")
+    settings = P.BenchSettings({}, modes, (2,), 0.3, 8, False, 0.001, 5.0, rounds=2, slice=0.15)
+    schedule = [(r, m) for r in range(2) for m in P.window_order(modes, r)]
+
+    async def run():
+        transport = httpx.MockTransport(handler)
+        original = httpx.AsyncClient
+
+        def client(**kw):
+            return original(transport=transport, **kw)
+
+        C.httpx.AsyncClient, saved = client, C.httpx.AsyncClient
+        try:
+            return await C.run_sliced("http://x", {}, "m", ["p0", "p1"], 2, settings, schedule)
+        finally:
+            C.httpx.AsyncClient = saved
+
+    results, slices = asyncio.run(run())
+    assert state["switches"] == [m for _, m in schedule]
+    assert state["max_open"] == 2 and state["open"] == 0  # one load of c = 2 throughout
+    assert all(r.cancelled for r in results) and len(results) == 2  # never stopped in between
+    assert [(s.round, s.mode) for s in slices] == schedule
+    for s in slices:
+        assert s.seconds >= 2 and s.num_tokens / s.seconds == rates[s.mode]
+        assert s.share == (0.0 if s.mode == "off" else 1.0)
+    # every step counted once, in its slice, but the one before the first switch (the server
+    # started in auto)
+    assert sum(s.num_tokens for s in slices) == sum(tokens.values()) - rates["auto"]
+    windows = [s.window for s in slices]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(windows))  # back to back
+    assert 0 < windows[-1][1] - windows[0][0] <= 0.15 * len(schedule)  # inside the level
+
+
 def test_workloads_are_distinct_and_code_edits_carry_their_code():
     code, mixed = W.code_edit_prompts(), W.mixed_prompts()
     assert len(code) == len(W.FUNCTIONS) * len(W.EDITS) == len(set(code))
@@ -258,9 +338,23 @@ def test_every_mode_leads_a_round_as_often_as_the_others():
         ["always", "auto", "off"],
         ["auto", "off", "always"],
     ]
-    assert orders[3:] == orders[:3]
+    assert orders[3:] == [  # then reversed: each mode follows each other one as often
+        ["auto", "always", "off"],
+        ["always", "off", "auto"],
+        ["off", "auto", "always"],
+    ]
     for position in range(3):
         assert sorted(o[position] for o in orders[:3]) == sorted(modes)
+        assert sorted(o[position] for o in orders[3:]) == sorted(modes)
+    follows = collections.Counter(pair for o in orders for pair in itertools.pairwise(o))
+    assert set(follows.values()) == {2} and len(follows) == 6  # every ordered pair, twice
+    assert P.window_order(modes, 6) == orders[0]
+    assert [P.window_order(("off", "auto"), r) for r in range(4)] == [
+        ["off", "auto"],
+        ["auto", "off"],
+        ["auto", "off"],
+        ["off", "auto"],
+    ]
 
 
 def test_bench_all_interleaves_the_modes_within_each_level(monkeypatch):
@@ -360,6 +454,12 @@ def test_auto_vs_best_pairs_the_rounds_and_judges_the_median():
     assert PR.check_targets(c1)["code_edit_c1_target_met"] is None
     single = PR.check_targets([x for x in levels if x.round == 0])  # one round: as it reads
     assert single["auto_vs_best"] == pytest.approx({1: -0.025, 8: -0.06})
+    # A run of off and auto alone judges auto against off; without a fixed mode, not at all.
+    no_always = [x for x in levels if x.mode != "always"]
+    assert {c: g.best for c, g in PR.auto_vs_best(no_always).items()} == {1: "off", 8: "off"}
+    assert PR.auto_vs_best(no_always)[1].per_round == pytest.approx((0.95, 0.65, 1.2))
+    assert "c=1: auto vs best(off): +95.0% median" in PR.report(no_always)
+    assert PR.auto_vs_best([x for x in levels if x.mode == "auto"]) == {}
 
 
 def test_format_table_shows_the_medians_their_range_and_the_ratio_to_off():
@@ -403,3 +503,59 @@ def test_stream_request_over_a_mock_transport():
     assert ok.error is None and ok.num_completion_tokens == 2 and len(ok.token_times) == 2
     failed = asyncio.run(run(0))
     assert failed.error is not None and failed.error.startswith("HTTP 400")
+
+
+def test_a_sliced_level_is_one_load_and_reads_each_slice_from_the_server(monkeypatch):
+    """bench_all with slices: per level one run_sliced over every (round, mode) in rotated
+    order, no window of its own per mode; each result's tokens/s is the slice's server count."""
+    schedules = []
+
+    @contextlib.contextmanager
+    def server(config, timeout):
+        yield "http://x"
+
+    class Models:
+        def json(self):
+            return {"data": [{"id": "m"}]}
+
+    async def sliced(url, headers, model, prompts, c, settings, schedule):
+        schedules.append((c, list(schedule)))
+        # round r of mode m: 10 * (r + 1) tokens over 2 s (off) or 4 s (auto)
+        return [], [
+            C.Slice(r, m, (float(i), i + 1.0), 10.0 * (r + 1), 2.0 if m == "off" else 4.0, None)
+            for i, (r, m) in enumerate(schedule)
+        ]
+
+    monkeypatch.setattr(P, "running_server", server)
+    monkeypatch.setattr(P.httpx, "get", lambda *a, **kw: Models())
+    monkeypatch.setattr(P, "operate", lambda *a, **kw: None)
+    monkeypatch.setattr(P, "warm_up", lambda *a: None)
+
+    async def fill(*a):
+        return None
+
+    monkeypatch.setattr(P, "fill_prefix_cache", fill)
+    monkeypatch.setattr(P, "run_sliced", sliced)
+    monkeypatch.setattr(P, "run_level", None)  # never a window
+    config = {"engine": {"speculative_config": {"method": "ngram"}}}
+    settings = P.BenchSettings(
+        config, ("off", "auto"), (2,), 1.0, 8, False, 0.001, 5.0, rounds=2, slice=3.0
+    )
+    results = P.bench_all(settings)
+    assert schedules == [(2, [(0, "off"), (0, "auto"), (1, "auto"), (1, "off")])]
+    got = [(r.round, r.mode, r.num_completion_tokens, r.wall_time, r.tokens_per_s) for r in results]
+    assert got == [
+        (0, "off", 10, 2.0, 5.0),
+        (0, "auto", 10, 4.0, 2.5),
+        (1, "auto", 20, 4.0, 5.0),
+        (1, "off", 20, 2.0, 10.0),
+    ]
+
+
+def test_levels_are_sliced_unless_windows_are_asked_for():
+    settings, _ = P.parse_args([])
+    assert (settings.slice, settings.rounds, settings.is_cold) == (10.0, 6, False)
+    windows, _ = P.parse_args(["--slice", "0", "--rounds", "3", "--prefix-cache", "cold"])
+    assert (windows.slice, windows.rounds, windows.is_cold) == (0.0, 3, True)
+    with pytest.raises(SystemExit):  # a cold cache is emptied between windows; slices have none
+        P.parse_args(["--prefix-cache", "cold"])
