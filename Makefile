@@ -74,8 +74,9 @@ bench: $(VENV)/.models
 	$(PY) bench/spec.py
 
 # The speculation policy over HTTP: modes off / always / auto on one server, 1 to 32 streaming
-# clients, three interleaved rounds per level (~35 min on 2 CPU cores); writes
-# bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min.
+# clients, six rounds of slices per level under one load (~40 min on 2 CPU cores); writes
+# bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min; ARGS="--slice 0
+# --rounds 3": a window per mode and round instead of slices.
 bench-policy: $(VENV)/.models $(VENV)/.bench
 	$(PY) bench/policy.py $(ARGS)
 
