@@ -50,7 +50,7 @@ if str(ROOT / "bench") not in sys.path:  # already first when run as a script
 import peers_setup as setup  # noqa: E402
 from peers_process import serving, tree_rss_bytes  # noqa: E402
 from peers_report import FAMILIES, fmt, format_report, machine_info  # noqa: E402
-from policy import stream_request  # noqa: E402
+from policy_clients import chat_body, stream_request  # noqa: E402
 from policy_workload import (  # noqa: E402
     FUNCTIONS,
     OPEN_CHAT,
@@ -135,15 +135,7 @@ def throughput(results: Sequence[RequestResult], wall_time: float) -> float | No
 
 def request_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """Greedy, exactly max_tokens tokens (ignore_eos: an extension every engine here honours)."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
+    return {**chat_body(model, prompt, max_tokens), "ignore_eos": True}
 
 
 async def run_sequential(

@@ -1,9 +1,9 @@
 """The clients of bench/policy.py: streamed chat requests from c closed-loop clients, measured
 in windows (one mode per window) or in slices (the modes in turn under one continuous load).
 
-Slices: on this class of host the same step runs 10-25% slower minutes apart (an engine-driven
-run of c = 16 read 221-276 ms for the same plain decode step), so windows taken one after the
-other compare the host as much as the modes. In a sliced level the clients never stop: every
+Slices: on this class of host the same level of the same mode moves 10-25% between windows
+minutes apart (bench/results/policy-windows.json), so windows taken one after the other compare
+the host as much as the modes. In a sliced level the clients never stop: every
 `--slice` seconds the server is switched to the next mode (`PUT /internal/speculation`), and each
 mode's throughput is what the server counts for it — the generation tokens and the seconds of the
 engine steps decided in that mode (`specserve:spec_decode_mode_*_total`), read around each switch.
@@ -34,6 +34,15 @@ if TYPE_CHECKING:
 
 BUSY = ("specserve:num_requests_running", "specserve:num_requests_waiting")
 LONGER_FROM = 8  # concurrency past which a level's window grows with c
+
+
+def level_client(url: str, headers: dict[str, str], concurrency: int) -> httpx.AsyncClient:
+    """The client of one level: a connection per streaming client, and room for the scrapes and
+    switches beside them."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
+    )
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -77,10 +86,7 @@ async def run_level(
     offset + i + c, offset + i + 2c, ... (round-robin) and its request in flight when the window
     closes is cut off. Returns the results, the window (start, end) and the share of decisions
     that speculated."""
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(
-        base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
-    ) as client:
+    async with level_client(url, headers, concurrency) as client:
         before = decision_counts(await scrape(client))
         start = time.perf_counter()
         end = start + level_duration(settings.duration, concurrency)
@@ -180,10 +186,7 @@ async def run_sliced(
     scrape again: the mode leaving is counted up to the second scrape (it runs no step after the
     switch), the mode arriving from the first (it ran none before)."""
     length = level_duration(settings.slice, concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(
-        base_url=url, timeout=httpx.Timeout(900.0), limits=limits, headers=headers
-    ) as client:
+    async with level_client(url, headers, concurrency) as client:
         start = time.perf_counter()
         end = start + length * len(schedule)
         load = asyncio.create_task(

@@ -259,22 +259,18 @@ class EngineCollector(Collector):
             decisions.keys(),
             decisions.values(),
         )
-        seconds = dict.fromkeys(SPEC_MODES, 0.0) | dict(s.mode_seconds)
-        yield self._counter(
-            "spec_decode_mode_seconds",
-            "Seconds of engine steps, by the speculation mode they were decided in.",
-            "mode",
-            ((mode,) for mode in seconds),
-            seconds.values(),
-        )
-        tokens = dict.fromkeys(SPEC_MODES, 0) | dict(s.mode_tokens)
-        yield self._counter(
-            "spec_decode_mode_generation_tokens",
-            "Generation tokens of engine steps, by the speculation mode they were decided in.",
-            "mode",
-            ((mode,) for mode in tokens),
-            tokens.values(),
-        )
+        for name, doc, per_mode in (
+            ("spec_decode_mode_seconds", "Seconds", s.mode_seconds),
+            ("spec_decode_mode_generation_tokens", "Generation tokens", s.mode_tokens),
+        ):
+            counts = dict.fromkeys(SPEC_MODES, 0) | dict(per_mode)
+            yield self._counter(
+                name,
+                f"{doc} of engine steps, by the speculation mode they were decided in.",
+                "mode",
+                ((mode,) for mode in counts),
+                counts.values(),
+            )
 
     def _counter(
         self,

@@ -145,7 +145,17 @@ def test_summarize_level_counts_tokens_inside_the_window_and_skips_errors():
     assert empty.tokens_per_s == 0.0 and empty.ttft_p50 is None
 
 
-def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window():
+def _serve_levels_with(monkeypatch, handler) -> None:
+    """A level's client talks to `handler` (an httpx.MockTransport) instead of a server."""
+    transport = httpx.MockTransport(handler)
+
+    def client(url, headers, concurrency):
+        return httpx.AsyncClient(base_url=url, headers=headers, timeout=900.0, transport=transport)
+
+    monkeypatch.setattr(C, "level_client", client)
+
+
+def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window(monkeypatch):
     """Two clients against a mock server that streams a token every 20 ms: each keeps one
     request in flight; the ones streaming at the end of the window are cancelled, and the
     level waits for the server to report nothing running before reading the decisions."""
@@ -183,21 +193,10 @@ def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window():
     settings = P.BenchSettings({}, ("auto",), (2,), 0.3, 8, False, 0.001, 5.0)
     prompts = ["p0", "p1", "p2", "p3"]
 
-    async def run():
-        transport = httpx.MockTransport(handler)
-        original = httpx.AsyncClient
-
-        def client(**kw):
-            return original(transport=transport, **kw)
-
-        P.httpx.AsyncClient, saved = client, P.httpx.AsyncClient
-        try:
-            headers = {"Authorization": "Bearer sk-k"}
-            return await P.run_level("http://x", headers, "m", prompts, 2, settings, offset=1)
-        finally:
-            P.httpx.AsyncClient = saved
-
-    results, (start, end), share = asyncio.run(run())
+    _serve_levels_with(monkeypatch, handler)
+    headers = {"Authorization": "Bearer sk-k"}
+    level = P.run_level("http://x", headers, "m", prompts, 2, settings, offset=1)
+    results, (start, end), share = asyncio.run(level)
     assert end - start == pytest.approx(0.3)
     assert state["max_open"] == 2 and state["open"] == 0  # c in flight, all closed after
     assert state["polls_busy"] < 0  # waited until the server reported nothing running
@@ -213,7 +212,7 @@ def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window():
     assert level.num_completion_tokens == sum(len(r.token_times) for r in results)
 
 
-def test_sliced_level_counts_each_mode_from_the_servers_counters():
+def test_sliced_level_counts_each_mode_from_the_servers_counters(monkeypatch):
     """One load, the modes in turn: each slice's tokens and seconds are what the server counted
     for its mode between the scrapes around its switches. The mock's engine runs one step of the
     current mode per scrape (off 10 tokens a second, always 20, auto 30): every slice must read
@@ -263,20 +262,9 @@ def test_sliced_level_counts_each_mode_from_the_servers_counters():
     settings = P.BenchSettings({}, modes, (2,), 0.3, 8, False, 0.001, 5.0, rounds=2, slice=0.15)
     schedule = [(r, m) for r in range(2) for m in P.window_order(modes, r)]
 
-    async def run():
-        transport = httpx.MockTransport(handler)
-        original = httpx.AsyncClient
-
-        def client(**kw):
-            return original(transport=transport, **kw)
-
-        C.httpx.AsyncClient, saved = client, C.httpx.AsyncClient
-        try:
-            return await C.run_sliced("http://x", {}, "m", ["p0", "p1"], 2, settings, schedule)
-        finally:
-            C.httpx.AsyncClient = saved
-
-    results, slices = asyncio.run(run())
+    _serve_levels_with(monkeypatch, handler)
+    sliced = C.run_sliced("http://x", {}, "m", ["p0", "p1"], 2, settings, schedule)
+    results, slices = asyncio.run(sliced)
     assert state["switches"] == [m for _, m in schedule]
     assert state["max_open"] == 2 and state["open"] == 0  # one load of c = 2 throughout
     assert all(r.cancelled for r in results) and len(results) == 2  # never stopped in between
