@@ -48,8 +48,11 @@ class FixedAlphas:
     alphas: dict[str, float] = field(default_factory=dict)
     priors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
 
-    def upper_bound(self, key: str, source: str) -> float:
+    def alpha(self, key: str, source: str) -> float:
         return self.alphas[key.rpartition("/")[0]]
+
+    def upper_bound(self, key: str, source: str) -> float:
+        return self.alpha(key, source)
 
     def observe(self, key: str, source: str, num_draft_tokens: int, num_accepted: int) -> None:
         pass

@@ -23,7 +23,8 @@ DEFAULT_PRIORS: Mapping[str, float] = {
 ACCEPTANCE_DECAY = 0.9
 # Pseudo-trials at the prior: two verifies' worth, so the first real ones move alpha quickly.
 PRIOR_WEIGHT = 2.0
-# Decisions take alpha plus this many standard errors (optimism under uncertainty).
+# A draft model's requests are judged by alpha plus this many standard errors (optimism under
+# uncertainty: they learn only by drafting).
 OPTIMISM = 1.0
 
 
@@ -48,11 +49,13 @@ class AcceptanceTracker:
     `prior_weight` pseudo-trials at the method's prior keep alpha inside (0, 1) and give a request
     with no history a sensible start.
 
-    Decisions take `upper_bound`: alpha plus `optimism` standard errors. An estimate moves only
-    when its request drafts, so judged by alpha alone a request whose prior says "does not pay"
-    would never draft and never learn otherwise (a draft model whose code-edit drafts are mostly
-    accepted stayed off for whole answers at a prior of 0.6). The bound is wide while a request has few
-    trials, so it is tried on its first steps, and narrows as its verifies come in.
+    A draft model's estimate moves only when its request drafts, so the policy judges it by
+    `upper_bound`, alpha plus `optimism` standard errors: judged by alpha alone, a request whose
+    prior says "does not pay" would never draft and never learn otherwise (a draft model whose
+    code-edit drafts are mostly accepted stayed off for whole answers at a prior of 0.6). The
+    bound is wide while a request has few trials, so it is tried on its first steps, and narrows
+    as its verifies come in. A lookup's estimate also learns while its request is paused (shadow
+    drafts, engine/speculation/stats.py), so the policy judges it by `alpha`.
     """
 
     def __init__(

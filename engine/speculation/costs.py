@@ -9,7 +9,11 @@ just met), so the ratio of realised to predicted seconds (taken before the step 
 model) is kept for steps with and without drafts, and a speculating step's predicted forward and
 drafting are scaled by their quotient (`correction`): a gain the model's own error would erase
 is priced out, and where the model is right (one sequence on a CPU) the correction stays near
-1. A draft model's catch-up is charged to a decision as the share of it that the
+1. Both ratios come from decode-shaped steps only (every query token a scored row: decode rows
+and drafts, no prompt chunk), so the quotient compares a verify step with the plain step it
+replaces: a prompt chunk the model misprices says nothing about drafts, and counted among the
+plain steps it turned the correction into a discount (below 1) that bought drafts which cost
+more than they earned. A draft model's catch-up is charged to a decision as the share of it that the
 step's tokens buy, but predicted in full for the correction: the step does take all of it.
 """
 
@@ -130,7 +134,8 @@ class DraftCosts:
                 predicted += self._model_seconds
             else:
                 self._error[True] += CORRECTION_FADE * (self._error[False] - self._error[True])
-            self._error[has_drafts] = _ewma(self._error[has_drafts], realised / predicted)
+            if stats.num_tokens == stats.num_rows:  # decode-shaped
+                self._error[has_drafts] = _ewma(self._error[has_drafts], realised / predicted)
             # Every step's forward refines the model at its own shape: a verify step is a batch
             # of decode-shaped rows at an n plain steps may never reach, where calibration timed
             # one sequence's chunk.

@@ -151,8 +151,8 @@ class SpeculationPolicy:
         """The goodput allocation. A draft model costs one batched forward per depth, whoever
         drafts that deep, so each depth D (0: the model idle) is priced with model-drafted caps
         cut to D; lookup drafts cost only the overhead of speculating."""
-        alphas = [self.tracker.upper_bound(c.key, c.source) for c in candidates]
         uses_model = [c.source in MODEL_SOURCES for c in candidates]
+        alphas = [self._acceptance(c, m) for c, m in zip(candidates, uses_model, strict=True)]
         deepest = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
 
         def allocation(depth: int) -> tuple[list[int], list[int], DraftCost, float]:
@@ -188,6 +188,16 @@ class SpeculationPolicy:
             else:
                 final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape))
         return ks, final
+
+    def _acceptance(self, candidate: Candidate, uses_model: bool) -> float:
+        """What a request's drafts are judged by. A draft model learns only by drafting, so its
+        upper bound: optimism that tries a request its prior rules out. A lookup learns while
+        paused too (its shadow drafts), so its estimate itself: at a large batch, where drafts
+        only just pay, a standing bonus over ten or so shadows' evidence bought drafts that the
+        verify then showed did not pay."""
+        if uses_model:
+            return self.tracker.upper_bound(candidate.key, candidate.source)
+        return self.tracker.alpha(candidate.key, candidate.source)
 
     def _hold(
         self,

@@ -326,6 +326,30 @@ def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
         AcceptanceTracker(optimism=-1.0)
 
 
+def test_lookups_are_judged_by_their_estimate_and_a_draft_model_by_its_upper_bound() -> None:
+    """Speculating costs 1.3 steps beyond the free drafts below the knee: four drafts pay for a
+    decoding request accepting 0.65 a token, not 0.52. Evidence at 0.52 from one-token trials
+    (as a paused lookup's shadows give) leaves its upper bound near 0.67: a lookup, which keeps
+    learning while paused, stays off; a draft model, which learns only by drafting, is tried."""
+    policy = SpeculationPolicy("auto", 4, FlatThenLinear())
+    for _ in range(30):
+        policy.observe(StepStats((), (VerifyResult("x", "ngram", 1, 1),), 1, 1, 0, 1.0, 0.0, 1.3))
+    assert policy.costs.overhead == pytest.approx(1.3, rel=0.01)
+    lookup, model = (
+        Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64) for i in range(2)
+    )
+    for i in range(40):
+        for request, source in ((lookup, "ngram"), (model, "draft_model")):
+            result = VerifyResult(request.request_id, source, 1, i % 2, is_shadow=True)
+            policy.observe(StepStats((), (result,), 1, 1, 0, 1.0, 0.0, 0.0))
+    assert policy.tracker.alpha("r0/ngram", "ngram") == pytest.approx(0.52, abs=0.01)
+    assert policy.tracker.upper_bound("r0/ngram", "ngram") == pytest.approx(0.67, abs=0.01)
+    assert expected_tokens(0.52, 4) < 2.3 < expected_tokens(0.65, 4)
+    step = StepShape(1, 1, 0, 256, 1)
+    assert policy.decide([Candidate(lookup, 4, "ngram")], step)[0].num_draft_tokens == 0
+    assert policy.decide([Candidate(model, 4, "draft_model")], step)[0].num_draft_tokens == 4
+
+
 def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_error() -> None:
     """With a step-time model that cannot learn (a fake), speculating steps that take twice
     their prediction teach a correction of 2, which prices out drafts that paid on the model alone,
@@ -350,6 +374,23 @@ def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_erro
         policy.observe(plain)
     assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
     assert sum(d.num_draft_tokens for d in policy.decide(candidates, step)) == 4
+
+
+def test_the_correction_compares_decode_shaped_steps_only() -> None:
+    """Plain steps that carry a prompt chunk and run twice their prediction must not turn the
+    correction into a discount: it compares verify steps (1.2x their prediction) with the
+    decode steps they replace (as predicted), and steps with a prompt chunk teach neither side."""
+    policy = SpeculationPolicy("auto", 7, FlatThenLinear())
+    decode = StepStats((), (), 4, 4, 0, 1.0, 0.0, 0.0)  # as predicted
+    chunk = StepStats((), (), 8 * KNEE, 4, 0, 16.0, 0.0, 0.0)  # twice its prediction
+    verify = StepStats((), (VerifyResult("r0", "ngram", 4, 2),), 8, 8, 0, 1.2, 0.0, 0.0)
+    chunk_and_drafts = StepStats(
+        (), (VerifyResult("r0", "ngram", 4, 2),), 8 * KNEE + 4, 8, 0, 40.0, 0.0, 0.0
+    )
+    for _ in range(60):
+        for stats in (decode, chunk, chunk, verify, chunk_and_drafts):
+            policy.observe(stats)
+    assert policy.costs.correction == pytest.approx(1.2, rel=0.05)
 
 
 def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() -> None:
