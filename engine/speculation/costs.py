@@ -13,8 +13,9 @@ is priced out, and where the model is right (one sequence on a CPU) the correcti
 and drafts, no prompt chunk), so the quotient compares a verify step with the plain step it
 replaces: a prompt chunk the model misprices says nothing about drafts, and counted among the
 plain steps it turned the correction into a discount (below 1) that bought drafts which cost
-more than they earned. A draft model's catch-up is charged to a decision as the share of it that the
-step's tokens buy, but predicted in full for the correction: the step does take all of it.
+more than they earned. A draft model's catch-up is charged to a decision as the share of it
+that the step's tokens buy, but predicted in full for the correction: the step does take all
+of it.
 """
 
 from __future__ import annotations
