@@ -13,8 +13,9 @@ operator route `PUT /internal/speculation`, in one of two ways:
   for the whole level; the modes take turns, one slice each per round (--rounds), in an order
   that rotates each round, and each slice's tokens/s is the server's own count for its mode (the
   generation tokens over the seconds of the engine steps decided in it; bench/policy_clients.py).
-  On this class of host the same step runs 10-25% slower minutes apart, and slices share that
-  drift, the requests in flight and the prefix cache between the modes;
+  On this class of host a level's throughput drifts by up to a fifth between windows minutes
+  apart, and slices share that drift, the requests in flight and the prefix cache between the
+  modes;
 - windows (--slice 0): each round measures every mode in a window of its own (--duration
   seconds, c / 8 times that past 8 clients) from the same place in the workload, the requests
   still streaming at its end cut off; tokens/s counts the tokens streamed inside the window.

@@ -1,8 +1,9 @@
 """The clients of bench/policy.py: streamed chat requests from c closed-loop clients, measured
 in windows (one mode per window) or in slices (the modes in turn under one continuous load).
 
-Slices: on this class of host the same level of the same mode moves 10-25% between windows
-minutes apart (bench/results/policy-windows.json), so windows taken one after the other compare
+Slices: on this class of host the same level of the same mode moves by up to a fifth between
+windows minutes apart (off at 32 clients: 22% across three rounds,
+bench/results/policy-windows.json), so windows taken one after the other compare
 the host as much as the modes. In a sliced level the clients never stop: every
 `--slice` seconds the server is switched to the next mode (`PUT /internal/speculation`), and each
 mode's throughput is what the server counts for it — the generation tokens and the seconds of the
