@@ -5,7 +5,9 @@ context, and at a few n with a long one for the context slope. Then batches shap
 steps (several sequences of a few tokens, a logits row for every token) give the cost of a logits
 row beyond the first, which a one-row prompt chunk never pays. The KV the forwards attend to is
 whatever the borrowed blocks hold: timing does not depend on its values. One warm-up forward runs
-first; each point is the minimum of `repeats` timings (the least disturbed by other work).
+first; each point is the minimum of `repeats` timings (the least disturbed by other work), and
+t(1) is timed again after each stage, so its minimum is taken over moments spread through the
+whole calibration.
 
 The fit is cached as JSON under <cache root>/calibration/, keyed by the model directory, device
 (for a CPU its model name, threads and our kernels' build and instruction sets: a fit taken on
@@ -13,6 +15,20 @@ another CPU or with other kernels is not this machine's), dtype, quantisation, t
 the grid, so only the first start on a machine pays for it (a few seconds for a 1.5B model on
 CPU); SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement
 (StepTimeModel.observe) starts from it.
+
+A fit timed while another job held the machine must not mislead every later start, so:
+- A calibration is not cached when its t(1) timings spread (median over minimum above
+  QUIET_SPREAD: other work disturbed at least half of them), nor when its curve is flat
+  (`is_plausible`). That start still uses it; the next one calibrates again.
+- A steady load inflates every timing alike and shows no spread, so every fit in the cache
+  (loaded, or measured now and written) is on probation (cached_fit.CachedFit): the median of the
+  first served decode-shaped steps confirms it, or, when the fit over-predicts them by more than
+  the margin, shows it was taken under load. Then it is rescaled in place to the served steps
+  (the policy's next decision uses it; no forward is timed again while serving, which would stall
+  every running request) and removed from the cache, so the next start calibrates again. Steps
+  slower than the fit mean the machine is busy now: the fit and its file are kept.
+The log says which fit a start uses ("cached fit from <path> (taken <date>)" or "measured now")
+and what the served steps made of it.
 """
 
 from __future__ import annotations
@@ -22,9 +38,12 @@ import json
 import logging
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -32,6 +51,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.models.bundled import cache_root
 from engine.runner import ModelRunner, SeqChunk
+from engine.speculation.cached_fit import FIT_MARGIN, NUM_CHECK_STEPS, CachedFit
 from engine.speculation.step_time import StepTimeModel, attention_reads, pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
@@ -41,6 +61,9 @@ _BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 _LONG_CONTEXT_NS = (1, 4, 8)
 # Verify-shaped batches (sequences, tokens each) that price a logits row.
 _VERIFY_SHAPES = ((1, 8), (4, 4), (8, 4))
+# A calibration whose t(1) timings have a median above this factor of their minimum was disturbed
+# for at least half of them (a quiet machine repeats a forward within a few per cent): not cached.
+QUIET_SPREAD = 1.3
 
 
 def calibration_grid(max_num_batched_tokens: int) -> list[int]:
@@ -91,6 +114,29 @@ def time_verify_batch(
             block_manager.free(seq_id)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A fit and every timing of t(1) it was taken with (the grid's passes and one after each
+    stage)."""
+
+    model: StepTimeModel
+    t1_seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.t1_seconds:
+            raise ValueError("a calibration times t(1) at least once")
+
+    @property
+    def spread(self) -> float:
+        """The median of the t(1) timings over their minimum: 1 on a quiet machine."""
+        low = min(self.t1_seconds)
+        return statistics.median(self.t1_seconds) / low if low > 0 else 1.0
+
+    @property
+    def is_quiet(self) -> bool:
+        return self.spread <= QUIET_SPREAD
+
+
 def calibrate(
     runner: ModelRunner,
     block_manager: BlockManager,
@@ -100,9 +146,25 @@ def calibrate(
     timer: Callable[[int, int], float] | None = None,
     batch_timer: Callable[[int, int], float] | None = None,
 ) -> StepTimeModel:
-    """Time the grid and fit t(n, context, rows). `timer(n, context)` and
-    `batch_timer(num_seqs, num_tokens)` replace real forwards (tests); with a timer and no
-    batch_timer the row cost is left at 0."""
+    """Time the grid and fit t(n, context, rows) (see `measure`)."""
+    return measure(
+        runner, block_manager, max_num_batched_tokens, max_model_len, repeats, timer, batch_timer
+    ).model
+
+
+def measure(
+    runner: ModelRunner,
+    block_manager: BlockManager,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    repeats: int = 2,
+    timer: Callable[[int, int], float] | None = None,
+    batch_timer: Callable[[int, int], float] | None = None,
+) -> Calibration:
+    """Time the grid and fit t(n, context, rows); t(1) is timed again after each stage, and the
+    fit takes the least of its timings. `timer(n, context)` and `batch_timer(num_seqs,
+    num_tokens)` replace real forwards (tests); with a timer and no batch_timer the row cost is
+    left at 0."""
     grid = calibration_grid(min(max_num_batched_tokens, max_model_len))
     long_context = min(
         max_model_len // 2, 2048, block_manager.num_blocks * block_manager.block_size // 2
@@ -117,12 +179,23 @@ def calibrate(
         def batch_timer(num_seqs: int, num_tokens: int) -> float:
             return time_verify_batch(runner, block_manager, num_seqs, num_tokens)
 
-    # Two passes over the grid, keeping each point's minimum: a burst of other work on the
-    # machine then spoils one timing of a point, not a whole region of the curve.
-    short = {n: timer(n, 0) for n in grid}
+    t1_seconds: list[float] = []  # every timing of t(1) without context but the warm-up
+
+    def timed(n: int, context: int) -> float:
+        seconds = timer(n, context)
+        if n == 1 and context == 0:
+            t1_seconds.append(seconds)
+        return seconds
+
+    # Passes over the grid, keeping each point's minimum: a burst of other work on the machine
+    # then spoils one timing of a point, not a whole region of the curve. t(1) is timed again
+    # after each stage, so that its timings span the calibration.
+    short = {n: timed(n, 0) for n in grid}
+    timed(1, 0)
     for _ in range(repeats - 1):
         for n in grid:
-            short[n] = min(short[n], timer(n, 0))
+            short[n] = min(short[n], timed(n, 0))
+        timed(1, 0)
     context_coef = 0.0
     ns = [n for n in _LONG_CONTEXT_NS if n in short]
     if ns and long_context > 0 and long_context + max(ns) <= max_model_len:
@@ -130,15 +203,17 @@ def calibrate(
         # so the slope comes from the same n at two contexts (the grid alone cannot separate
         # them): n query tokens over L more cached positions read n * L more.
         slopes = [
-            (min(timer(n, long_context), timer(n, long_context)) - short[n]) / (n * long_context)
+            (min(timed(n, long_context), timed(n, long_context)) - short[n]) / (n * long_context)
             for n in ns
         ]
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
+    timed(1, 0)
+    short[1] = min(t1_seconds)  # the grid starts at 1
     values = [short[n] - context_coef * attention_reads(0, n) for n in grid]
     model = StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
     if batch_timer is not None:
         model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1])
-    return model
+    return Calibration(model, tuple(t1_seconds))
 
 
 def _row_cost(
@@ -165,22 +240,36 @@ def load_or_calibrate(
     max_model_len: int,
     cache_dir: str | Path | None = None,
 ) -> StepTimeModel:
-    """The cached fit for this model, device and dtype, else a fresh calibration (then cached)."""
+    """The cached fit for this model, device and dtype, else a fresh calibration (then cached
+    if it was quiet and plausible). A fit in the cache comes back as a CachedFit: unconfirmed
+    until the first served steps judge it."""
     key = _cache_key(runner, model_path, max_num_batched_tokens, max_model_len)
     path = cache_root(cache_dir) / "calibration" / f"{key}.json"
     is_cached = os.environ.get("SPECSERVE_CALIBRATION_CACHE", "1") != "0"
     try:
         if not is_cached:
             raise OSError("calibration cache disabled")
-        model = StepTimeModel.from_dict(json.loads(path.read_text()))
-        logger.info("step-time model from %s (knee at %d tokens)", path, model.knee)
-        return model
+        text = path.read_text()
+        model = StepTimeModel.from_dict(json.loads(text))
+        taken = datetime.fromtimestamp(path.stat().st_mtime).isoformat(sep=" ", timespec="seconds")
+        logger.info(
+            "calibration: cached fit from %s (taken %s): t(1) = %.1f ms, knee at %d tokens; "
+            "unconfirmed until %d served decode steps agree with it within %.2fx",
+            path,
+            taken,
+            model.predict(1) * 1e3,
+            model.knee,
+            NUM_CHECK_STEPS,
+            FIT_MARGIN,
+        )
+        return CachedFit(model, path, text, "cached")
     except (OSError, ValueError, KeyError, TypeError):
         pass
     start = time.perf_counter()
-    model = calibrate(runner, block_manager, max_num_batched_tokens, max_model_len)
+    run = measure(runner, block_manager, max_num_batched_tokens, max_model_len)
+    model = run.model
     logger.info(
-        "calibrated the step-time model in %.1f s: t(1) = %.1f ms, t(%d) = %.1f ms, knee at %d "
+        "calibration: measured now, in %.1f s: t(1) = %.1f ms, t(%d) = %.1f ms, knee at %d "
         "tokens, %.4f us per KV position a query token reads",
         time.perf_counter() - start,
         model.predict(1) * 1e3,
@@ -189,14 +278,30 @@ def load_or_calibrate(
         model.knee,
         model.context_coef * 1e6,
     )
-    if is_cached and is_plausible(model):
-        _write_atomic(path, json.dumps(model.to_dict()))
-    elif is_cached:
+    if not is_cached:
+        return model
+    if not run.is_quiet:
         logger.warning(
-            "the step-time fit is flat up to %d tokens (other work on the machine?): not cached; "
-            "the online refinement takes it from here and the next start calibrates again",
+            "calibration: t(1) timed %d times from %.1f to %.1f ms, median %.2fx the least "
+            "(over %.2fx: other work on the machine): the fit takes the least, is not cached, "
+            "and the next start calibrates again",
+            len(run.t1_seconds),
+            min(run.t1_seconds) * 1e3,
+            max(run.t1_seconds) * 1e3,
+            run.spread,
+            QUIET_SPREAD,
+        )
+    elif not is_plausible(model):
+        logger.warning(
+            "calibration: the step-time fit is flat up to %d tokens (other work on the "
+            "machine?): not cached; the online refinement takes it from here and the next start "
+            "calibrates again",
             model.grid[-1],
         )
+    else:
+        text = json.dumps(model.to_dict())
+        if _write_atomic(path, text):
+            return CachedFit(model, path, text, "just measured")
     return model
 
 
@@ -242,12 +347,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str) -> bool:
+    """Write text to path in one step; whether it was written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+        return True
     except OSError as e:  # a read-only cache only costs the next start a calibration
         logger.warning("could not cache the step-time model at %s: %s", path, e)
+        return False
