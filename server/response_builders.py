@@ -7,7 +7,8 @@ aborted completion (finish_reason "abort") has no OpenAI form: the builders rais
 it, and the route answers with an error instead.
 
 Given a tool parser, chat choices are read through it (`server/tool_calls.py`): tool calls in
-the message or as `delta.tool_calls` fragments, finish reason "tool_calls".
+the message or as `delta.tool_calls` fragments, finish reason "tool_calls" ("stop" for a named
+function); a choice cut by max_tokens is read as cut (no markup in its content).
 
 With `include_spec_stats` every choice carries `speculative_decoding_stats` (our extension), read
 from the completion's own counters: on each choice of a response, and in a stream on the chunk
@@ -157,14 +158,16 @@ def build_chat_response(
     """The body of a finished, non-streamed chat completion."""
     choices = []
     for c in output.outputs:
-        message = reply_message(c.text, tool_parser)
         reason = finish_reason_of(c.finish_reason or "unfinished")
+        message = reply_message(c.text, tool_parser, is_cut=reason == "length")
+        if tool_parser is not None:
+            reason = with_calls(reason, bool(message.tool_calls), tool_parser)
         choices.append(
             ChatCompletionChoice(
                 index=c.index,
                 message=message,
                 logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
-                finish_reason=with_calls(reason, bool(message.tool_calls)),
+                finish_reason=reason,
                 speculative_decoding_stats=_stats_if(include_spec_stats, c),
             )
         )
@@ -263,7 +266,7 @@ class ChatStream(_Stream):
             if sent.tools is None:
                 deltas = [ChatCompletionDelta(content=c.text)] if c.text or entries else []
             else:
-                deltas = sent.tools.deltas(c.text, is_last=c.finish_reason is not None)
+                deltas = sent.tools.deltas(c.text, c.finish_reason)
                 if entries and not deltas:
                     deltas = [ChatCompletionDelta()]
             for i, delta in enumerate(deltas):
@@ -274,7 +277,7 @@ class ChatStream(_Stream):
                 chunks.append(self._chunk(choice))
             reason = self._finish(sent, c)
             if reason is not None and sent.tools is not None:
-                reason = with_calls(reason, sent.tools.has_calls)
+                reason = with_calls(reason, sent.tools.has_calls, sent.tools.parser)
             if reason is not None:
                 choice = ChatCompletionStreamChoice(
                     index=c.index,

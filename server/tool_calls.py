@@ -7,14 +7,23 @@ the reply is read back.
 - "auto" (the default with tools): the tools are rendered, the model chooses, and its output is
   parsed; no grammar.
 - "required" or a named function: rendered, parsed, and constrained by the parser's structural
-  tag, so the output IS one or more calls (exactly one with `parallel_tool_calls: false`) whose
-  arguments match the function's `parameters` schema. With "auto", `parallel_tool_calls: false`
-  is kept by the reading instead: the model's first call is returned, whole and streamed, and
-  any later ones are dropped (`FirstCallParser`). A JSON `response_format` is a constraint too,
-  so it cannot go with "required" or a named function (a 400).
+  tag, so the output IS calls whose arguments match the function's `parameters` schema:
+  "required" one or more (the model may stop after any), exactly one with
+  `parallel_tool_calls: false`; a named function exactly one call of it, whatever
+  `parallel_tool_calls` says, as OpenAI, vLLM and SGLang answer it. After the last call allowed
+  the grammar allows only the end, so the model stops there. With "auto",
+  `parallel_tool_calls: false` is kept by the reading instead: the model's first call is
+  returned, whole and streamed, and any later ones are dropped (`FirstCallParser`). A JSON
+  `response_format` is a constraint too, so it cannot go with "required" or a named function
+  (a 400).
 
-The finish reason is "tool_calls" when a choice's output holds calls and the model stopped by
-itself; an output cut by max_tokens keeps "length".
+The finish reason, when a choice's output holds calls and the model stopped by itself, is
+"tool_calls" - but "stop" for a named function (`NamedCallParser`): OpenAI's API answers a
+forced named call so, streamed and not, while "auto" and "required" give "tool_calls" (measured
+against api.openai.com in vLLM's PR 25054, which aligned vLLM with it; the spec's enum allows
+both). An output cut by max_tokens keeps "length", and is read as `base` says of a cut: the
+calls before the cut whole, the one it falls in (once its name is read) a call with the
+arguments written so far, and no markup in the content - the same whole and streamed.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from server.tool_parsers.base import (
     CallStream,
     FirstCallParser,
     FunctionSpec,
+    NamedCallParser,
     Text,
 )
 
@@ -105,19 +115,25 @@ def tool_use(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse:
     template_tools = [{"type": "function", "function": t.function.for_template()} for t in tools]
     if structured is None and req.parallel_tool_calls is False:
         parser = FirstCallParser(parser)
+    elif name not in ("auto", "required"):  # a named function
+        parser = NamedCallParser(parser)
     return ToolUse(template_tools, parser, structured)
 
 
-def with_calls(reason: FinishReason, has_calls: bool) -> FinishReason:
-    """OpenAI's finish reason for a choice that called tools and stopped by itself."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def with_calls(reason: FinishReason, has_calls: bool, parser: ToolParser) -> FinishReason:
+    """OpenAI's finish reason for a choice read through `parser`: the parser's for one that
+    called tools and stopped by itself, else the engine's."""
+    return parser.calls_finish_reason if has_calls and reason == "stop" else reason
 
 
-def reply_message(text: str, parser: ToolParser | None) -> ChatCompletionMessage:
-    """A finished choice's message: the text read through the parser, or all content."""
+def reply_message(
+    text: str, parser: ToolParser | None, is_cut: bool = False
+) -> ChatCompletionMessage:
+    """A finished choice's message: the text read through the parser, or all content.
+    `is_cut`: max_tokens ended the output (a call it cut stays a call, markup is dropped)."""
     if parser is None:
         return ChatCompletionMessage(content=text)
-    parsed = parser.parse(text)
+    parsed = parser.parse(text, is_cut)
     calls = [
         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in parsed.calls
@@ -141,14 +157,15 @@ class ToolDeltas:
     def has_calls(self) -> bool:
         return self._stream.has_calls
 
-    def deltas(self, text: str, is_last: bool) -> list[ChatCompletionDelta]:
-        """The deltas `text` (the step's new text) decides; `is_last`: the choice finished,
-        so nothing is held back any more."""
+    def deltas(self, text: str, finish_reason: str | None = None) -> list[ChatCompletionDelta]:
+        """The deltas `text` (the step's new text) decides; `finish_reason`: the engine's, once
+        the choice finished - nothing is held back any more, and at "length" (max_tokens cut
+        the output) a call it cut stays a call and markup held back is dropped."""
         if self._is_done:  # outputs after the finishing one repeat it with no new text
             return []
         events = self._stream.feed(text) if text else []
-        if is_last:
-            events += self._stream.finish()
+        if finish_reason is not None:
+            events += self._stream.finish(is_cut=finish_reason == "length")
             self._is_done = True
         deltas = []
         for event in events:

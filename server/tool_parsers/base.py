@@ -9,9 +9,15 @@ every split of one text reads the same.
 
 A call is *committed* once its header (the markup and the function's name) has been read: a
 stream sends the name at that point and the arguments as they come, and cannot take them back.
-So a call whose arguments then turn out not to be JSON (or that the output cuts short) stays a
+So a call whose arguments then turn out not to be JSON (or that the model ends inside) stays a
 call in a stream, with the arguments as written; the whole-text reading (`read_message`) turns
 such a call back into content, its raw text unchanged.
+
+An output *cut* by a limit (max_tokens) is read the same whole and streamed, with no markup in
+its content: a committed call the cut falls in stays a call with the arguments written so far
+(the calls before it are whole), and the text held back as possible markup at the cut (a tag's
+start, a header not yet read whole) is dropped. The model did not choose to end there, so that
+text is the start of a call that never came, not content.
 
 Whitespace that only separates content from a call (before a call, after one) is dropped, so a
 reply made only of calls has no content (null).
@@ -24,7 +30,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from engine.structured.spec import StructuredOutput
 
@@ -64,11 +70,13 @@ class CallArguments:
 class CallEnd:
     """A call ended. `raw` is all of its text, markup included, for a reading that gives an
     invalid call back as content; `is_valid`: its arguments are a JSON object and its markup
-    is whole (the closing tag may be missing only at the very end of the output)."""
+    is whole (the closing tag may be missing only at the very end of the output); `is_cut`: the
+    output was cut inside the call, which stays a call whatever its arguments."""
 
     index: int
     is_valid: bool
     raw: str
+    is_cut: bool = False
 
 
 Event = Text | CallStart | CallArguments | CallEnd
@@ -82,8 +90,10 @@ class CallScanner(ABC):
         """The events that the next piece of the output decides (text may be held back)."""
 
     @abstractmethod
-    def finish(self) -> list[Event]:
-        """The output ended: everything still held back, decided. Ends any open call."""
+    def finish(self, is_cut: bool = False) -> list[Event]:
+        """The output ended: everything still held back, decided. Ends any open call (as cut,
+        given `is_cut`: a limit ended the output, not the model; then held-back markup is
+        dropped)."""
 
 
 # --------------------------------------------------------------------------- parsed calls
@@ -132,6 +142,8 @@ class ToolParser(ABC):
     name: ClassVar[str]
     template_markers: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
+    # The finish reason of a choice whose output holds calls and ended by itself.
+    calls_finish_reason: ClassVar[Literal["tool_calls", "stop"]] = "tool_calls"
 
     @abstractmethod
     def scanner(self) -> CallScanner:
@@ -147,21 +159,26 @@ class ToolParser(ABC):
     def structural_tag(
         self, functions: Sequence[FunctionSpec], tool_choice: str, parallel_tool_calls: bool
     ) -> StructuredOutput | None:
-        """The constraint `tool_choice` asks for: "required" - a call of any of `functions`;
-        a function's name - calls of that one; "auto" or "none" - nothing (None)."""
+        """The constraint `tool_choice` asks for: "required" - one or more calls of any of
+        `functions` (exactly one without `parallel_tool_calls`); a function's name - exactly one
+        call of that one, whatever `parallel_tool_calls` says (as OpenAI answers a named
+        choice); "auto" or "none" - nothing (None). After the last call allowed, the grammar
+        allows only the end of the output."""
         if tool_choice in ("auto", "none"):
             return None
         if tool_choice != "required":
             functions = [f for f in functions if f.name == tool_choice]
+            parallel_tool_calls = False
         if not functions:
             raise ValueError(f"tool_choice {tool_choice!r} names no function of the request.")
         tag = self._structural_tag(functions, parallel_tool_calls)
         return StructuredOutput.structural_tag(tag)
 
-    def parse(self, text: str) -> ParsedMessage:
-        """A whole output read into content and calls; invalid calls stay content."""
+    def parse(self, text: str, is_cut: bool = False) -> ParsedMessage:
+        """A whole output read into content and calls; invalid calls stay content. `is_cut`: a
+        limit ended the output (see the module docstring)."""
         scanner = self.scanner()
-        return read_message([*scanner.feed(text), *scanner.finish()])
+        return read_message([*scanner.feed(text), *scanner.finish(is_cut)])
 
     def stream(self) -> CallStream:
         """A reader of one streamed output."""
@@ -187,12 +204,32 @@ class FirstCallParser(ToolParser):
     ) -> dict[str, Any]:
         return self.inner._structural_tag(functions, False)
 
-    def parse(self, text: str) -> ParsedMessage:
-        message = self.inner.parse(text)
+    def parse(self, text: str, is_cut: bool = False) -> ParsedMessage:
+        message = self.inner.parse(text, is_cut)
         return ParsedMessage(message.content, message.calls[:1])
 
     def stream(self) -> CallStream:
         return FirstCallStream(self.scanner())
+
+
+class NamedCallParser(ToolParser):
+    """`tool_choice` naming a function: the output read through `inner`, finished with "stop"
+    rather than "tool_calls", as OpenAI finishes a call it was told to make (the grammar makes
+    it exactly one call)."""
+
+    name = "named-call"
+    calls_finish_reason = "stop"
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+
+    def scanner(self) -> CallScanner:
+        return self.inner.scanner()
+
+    def _structural_tag(
+        self, functions: Sequence[FunctionSpec], parallel_tool_calls: bool
+    ) -> dict[str, Any]:
+        return self.inner._structural_tag(functions, False)
 
 
 def read_message(events: Sequence[Event]) -> ParsedMessage:
@@ -211,7 +248,7 @@ def read_message(events: Sequence[Event]) -> ParsedMessage:
             arguments[event.index] = []
         elif isinstance(event, CallArguments):
             arguments[event.index].append(event.text)
-        elif event.is_valid:
+        elif event.is_valid or event.is_cut:
             args = "".join(arguments[event.index])
             pieces.append(ParsedCall(new_call_id(), names[event.index], args))
         elif pieces and isinstance(pieces[-1], str):
@@ -256,8 +293,8 @@ class CallStream:
     def feed(self, text: str) -> list[Text | CallStart | CallArguments]:
         return self._read(self.scanner.feed(text), is_last=False)
 
-    def finish(self) -> list[Text | CallStart | CallArguments]:
-        return self._read(self.scanner.finish(), is_last=True)
+    def finish(self, is_cut: bool = False) -> list[Text | CallStart | CallArguments]:
+        return self._read(self.scanner.finish(is_cut), is_last=True)
 
     def call_id(self, index: int) -> str:
         return self.calls[index].id

@@ -71,20 +71,23 @@ class HermesScanner(CallScanner):
             text = self._readers[self._mode](text, events)
         return _merged(events)
 
-    def finish(self) -> list[Event]:
+    def finish(self, is_cut: bool = False) -> list[Event]:
         events: list[Event] = []
         if self._mode == "text":
-            if self._held:
+            if self._held and not is_cut:
                 events.append(Text(self._held))
             self._held = ""
         elif self._mode == "header":
-            events.append(Text(OPEN))
-            events.extend(self.feed(self._restart()))
-            events.extend(self.finish())
+            if is_cut:  # every character since the tag still matched a header: markup
+                self._restart()
+            else:
+                events.append(Text(OPEN))
+                events.extend(self.feed(self._restart()))
+                events.extend(self.finish())
         else:
-            # Cut short: only arguments read whole may make a valid call.
+            # Ended inside a call: only arguments read whole may make a valid call.
             is_valid = self._mode == "trailer" and is_json_object(self._arguments)
-            events.append(self._end(is_valid))
+            events.append(self._end(is_valid, is_cut))
         return _merged(events)
 
     # ---- one method per mode: consume from `text`, return what is left to read
@@ -186,8 +189,8 @@ class HermesScanner(CallScanner):
             self._arguments += text
             events.append(CallArguments(self._num_calls - 1, text))
 
-    def _end(self, is_valid: bool) -> CallEnd:
-        end = CallEnd(self._num_calls - 1, is_valid, self._raw)
+    def _end(self, is_valid: bool, is_cut: bool = False) -> CallEnd:
+        end = CallEnd(self._num_calls - 1, is_valid, self._raw, is_cut)
         self._mode, self._raw, self._held, self._arguments = "text", "", "", ""
         return end
 

@@ -4,9 +4,13 @@ own ChatML template, tests/templates/chatml_tools.jinja), so the server picks th
 
 A random model never writes a tool call by itself: with tool_choice "required" or a named
 function at temperature 1, only the grammar can make every choice a call whose arguments match
-the function's schema. Streamed calls arrive as OpenAI's fragments and add up to what the
-non-streamed reply holds; "none" does not render the tools; history with calls and results
-renders; bad tool requests are 400s naming the param; nothing is left running.
+the function's schema. A named function is exactly one call, finished with "stop"; "required"
+is one or more calls (one without parallel calls), finished with "tool_calls"; a reply that
+max_tokens cut, anywhere in a call's markup, has no content. Seeded replies read the same whole
+and streamed; the server speculates (the grammar drafts the forced markup). Streamed calls
+arrive as OpenAI's fragments and add up to what the non-streamed reply holds; "none" does not
+render the tools; history with calls and results renders; bad tool requests are 400s naming the
+param; nothing is left running.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 300
+STATS = "speculative_decoding_stats"
 
 
 @pytest.fixture(scope="module")
@@ -157,24 +162,133 @@ def test_required_at_temperature_one_is_a_valid_call_in_every_choice(live, schem
     assert wait_idle(live) == IDLE
 
 
-def test_a_named_function_without_parallel_calls_is_one_call_of_it(live) -> None:
-    client = openai_client(live)
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        parallel_tool_calls=False,
-        temperature=1.0,
-        n=2,
-        seed=9,
-        max_tokens=MAX_TOKENS,
+def _replies(client: openai.OpenAI, schemas, n: int, **fields: Any) -> list[dict[str, Any]]:
+    """Each choice of one seeded request, whole and streamed: its content ("" for none), calls,
+    finish reason and (whole) the draft tokens speculation got accepted. The seed makes both
+    sample the same output, so both must read the same (the calls' ids aside)."""
+    common: dict[str, Any] = dict(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=1.0, n=n, **fields
     )
-    for choice in reply.choices:
-        calls = [c.model_dump() for c in choice.message.tool_calls or []]
-        assert len(calls) == 1 and calls[0]["function"]["name"] == "get_time"
-        _check_calls(calls, {"get_time"})
-        assert choice.finish_reason == "tool_calls"
+    stats = {"speculation": {"return_stats": True}}
+    reply = client.chat.completions.create(**common, extra_body=stats)
+    body = assert_valid(
+        schemas, "CreateChatCompletionResponse", reply.model_dump(mode="json", exclude_unset=True)
+    )
+    whole = []
+    for choice in body["choices"]:
+        message = choice["message"]
+        assert message["content"] != "", choice  # no content is null
+        calls = message.get("tool_calls") or []
+        whole.append(
+            {
+                "content": message["content"] or "",
+                "calls": calls,
+                "finish_reason": choice["finish_reason"],
+                "num_accepted": choice[STATS]["num_accepted_draft_tokens"],
+            }
+        )
+    streamed = _streamed(client.chat.completions.create(**common, stream=True), n, schemas)
+
+    def spelled(choice: dict[str, Any]) -> tuple[Any, ...]:
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["calls"]]
+        return choice["content"], calls, choice["finish_reason"]
+
+    assert [spelled(c) for c in streamed] == [spelled(c) for c in whole]
+    return whole
+
+
+def _check_forced(choice: dict[str, Any], names: set[str]) -> list[dict[str, Any]]:
+    """A choice of a forced call ("required" or a named function): calls and no content, not
+    even markup. A choice cut by max_tokens may end inside a call: that last call keeps the
+    arguments written so far; every other call is whole. The whole calls, returned."""
+    assert choice["content"] == "", choice
+    calls = list(choice["calls"])
+    assert choice["finish_reason"] in ("stop", "tool_calls", "length"), choice
+    if choice["finish_reason"] == "length" and calls:
+        last = calls[-1]["function"]
+        try:
+            jsonschema.validate(json.loads(last["arguments"]), SCHEMAS[last["name"]])
+        except ValueError:  # not JSON yet: a call cut short
+            assert last["name"] in names and last["arguments"].startswith("{"), choice
+            assert "</tool_call>" not in last["arguments"], choice
+            calls.pop()
+    if calls:
+        _check_calls(calls, names)
+    return calls
+
+
+def _cut_at(choice: dict[str, Any], whole: list[dict[str, Any]]) -> str | None:
+    """Where max_tokens cut a forced choice: before its first call's name was read, inside a
+    call, or after a whole call (None: not cut)."""
+    if choice["finish_reason"] != "length":
+        return None
+    if not choice["calls"]:
+        return "before a call"
+    return "in a call" if len(whole) < len(choice["calls"]) else "after a call"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# max_tokens per seed: room for a few calls, and cuts at a call's tag, header and arguments.
+LONG = 160
+CUTS = [LONG, LONG, LONG, LONG, 4, 9, 16, 24, 34]
+
+
+@pytest.mark.parametrize("parallel", [None, True, False], ids=["default", "parallel", "single"])
+def test_a_named_function_is_exactly_one_call_of_it(live, schemas, parallel) -> None:
+    """A named function is called once whatever parallel_tool_calls says: after the call the
+    grammar allows only the end. The finish reason is OpenAI's for a forced function: "stop"."""
+    client = openai_client(live)
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    cuts, num_accepted = set(), 0
+    for seed, max_tokens in enumerate(CUTS):
+        choices = _replies(
+            client, schemas, 3, tool_choice=NAMED, seed=seed, max_tokens=max_tokens, **extra
+        )
+        for choice in choices:
+            whole = _check_forced(choice, {"get_weather"})
+            if choice["finish_reason"] == "length":
+                assert len(choice["calls"]) <= 1 and max_tokens < LONG, choice
+            else:
+                assert choice["finish_reason"] == "stop", choice
+                assert len(whole) == len(choice["calls"]) == 1, choice
+            cuts.add(_cut_at(choice, whole))
+            num_accepted += choice["num_accepted"]
+    assert {"before a call", "in a call"} <= cuts  # the small max_tokens cut where they should
+    assert num_accepted > 0  # speculation drafted (the grammar's forced markup and keys)
+    assert wait_idle(live) == IDLE
+
+
+@pytest.mark.parametrize("parallel", [None, True, False], ids=["default", "parallel", "single"])
+def test_required_is_one_or_more_calls_and_one_without_parallel_calls(
+    live, schemas, parallel
+) -> None:
+    """ "required": one or more calls, the model free to stop after any of them (exactly one with
+    `parallel_tool_calls: false`); a reply cut by max_tokens, also inside a call or its markup,
+    has calls and no content."""
+    client = openai_client(live)
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    counts, reasons, cuts, num_accepted = [], [], set(), 0
+    for seed, max_tokens in enumerate(CUTS):
+        choices = _replies(
+            client, schemas, 3, tool_choice="required", seed=seed, max_tokens=max_tokens, **extra
+        )
+        for choice in choices:
+            whole = _check_forced(choice, set(SCHEMAS))
+            if parallel is False:
+                assert len(choice["calls"]) <= 1, choice
+            if choice["finish_reason"] != "length":
+                assert choice["finish_reason"] == "tool_calls" and whole, choice
+            if max_tokens == LONG:
+                counts.append(len(choice["calls"]))
+                reasons.append(choice["finish_reason"])
+            cuts.add(_cut_at(choice, whole))
+            num_accepted += choice["num_accepted"]
+    assert {"before a call", "in a call"} <= cuts and num_accepted > 0
+    if parallel is False:
+        assert set(counts) == {1} and set(reasons) == {"tool_calls"}
+    else:  # more calls may follow one, and the model may stop after any
+        assert max(counts) > 1 and "tool_calls" in reasons, (counts, reasons)
+    assert wait_idle(live) == IDLE
 
 
 def test_greedy_calls_stream_as_they_reply(live, schemas) -> None:

@@ -1,6 +1,8 @@
 """The hermes parser's structural tag, compiled by the engine's grammar compiler: it admits exactly
-calls of the offered functions with schema-valid arguments (one call without parallel calls),
-and whatever it admits, the parser reads back as calls. On a byte-level BPE trained in the test."""
+calls of the offered functions with schema-valid arguments (one call without parallel calls, and
+one call of a named function whatever parallel calls say), after the last allowed call only the
+end, and whatever it admits, the parser reads back as calls. On a byte-level BPE trained in the
+test."""
 
 from __future__ import annotations
 
@@ -76,10 +78,40 @@ def _admits(compiler, state: GrammarState, text: str, then_stop: bool = True) ->
         ("required", True, call("unknown", "{}"), False),
         ("now", True, NOW, True),
         ("now", True, PARIS, False),
+        ("now", True, f"{NOW}\n{NOW}", False),  # a named function: one call, parallel or not
+        ("now", False, f"{NOW}\n{NOW}", False),
     ],
 )
 def test_grammar_admits_only_calls(compiler, tool_choice, parallel, text, admitted):
     assert _admits(compiler, _state(compiler, tool_choice, parallel), text) is admitted
+
+
+def _allowed(compiler, state: GrammarState) -> set[int]:
+    masks = new_masks(1, compiler.vocab_size)
+    state.fill_mask(masks, 0)
+    return set(torch.nonzero(unpack_masks(masks, compiler.vocab_size)[0]).flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "num_calls"),
+    [("now", True, 1), ("now", False, 1), ("required", False, 1), ("required", True, 3)],
+)
+def test_after_the_last_allowed_call_only_the_end_may_follow(
+    compiler, tool_choice, parallel, num_calls
+):
+    """After each call the grammar allows the end; after the last one allowed, nothing else. Under
+    "one or more" another call may follow any of them."""
+    eos = compiler.stop_token_ids[0]
+    state = _state(compiler, tool_choice, parallel)
+    for i in range(num_calls):
+        assert _admits(compiler, state, ("\n" if i else "") + NOW, then_stop=False)
+        allowed = _allowed(compiler, state)
+        assert eos in allowed
+        if num_calls == 1:
+            assert allowed == {eos}
+        else:
+            assert len(allowed) > 1  # the separator of the next call
+    assert state.accept(eos) and state.is_terminated
 
 
 def test_auto_and_none_have_no_grammar():

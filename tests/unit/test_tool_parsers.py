@@ -1,6 +1,7 @@
 """The hermes tool-call parser: whole outputs and streams read the same, at every split of the
-text into pieces; markup never reaches content; what is not a call stays content; the registry
-picks parsers from the setting, the chat template and the model type."""
+text into pieces; markup never reaches content, also where max_tokens cut the output inside a
+call or its markup; what is not a call stays content; the registry picks parsers from the
+setting, the chat template and the model type."""
 
 from __future__ import annotations
 
@@ -79,10 +80,10 @@ BROKEN = [
 ]
 
 
-def streamed(pieces: list[str], parser=HERMES) -> ParsedMessage:
+def streamed(pieces: list[str], parser=HERMES, is_cut: bool = False) -> ParsedMessage:
     """The message a stream of `pieces` spells: content and calls added up from its events."""
     stream = parser.stream()
-    events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+    events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish(is_cut)
     content = "".join(e.text for e in events if isinstance(e, Text))
     names = {e.index: e.name for e in events if isinstance(e, CallStart)}
     arguments = {
@@ -147,6 +148,41 @@ def test_broken_calls_are_content_whole_and_calls_streamed(text):
     assert [name for name, _ in calls] == ["f"]
     assert calls[0][1].startswith('{"a": ') and "</tool_call>" not in calls[0][1]
     assert content == ("after" if text.endswith(" after") else None)
+
+
+CALLS_ONLY = f"{WEATHER}\n{NESTED}"
+
+
+def _cut_calls(text: str, size: int) -> list[tuple[str, str]]:
+    """The calls of `text` cut after `size` characters: each whose header (up to its arguments'
+    opening brace) is in, with its arguments as far as they are."""
+    calls = []
+    for name, arguments in (("get_weather", WEATHER_ARGS), ("search", NESTED_ARGS)):
+        header = call(name, arguments).split(arguments)[0]
+        start = text.index(header + arguments) + len(header)  # the arguments' "{"
+        if size > start:
+            calls.append((name, text[start : min(size, start + len(arguments))]))
+    return calls
+
+
+@pytest.mark.parametrize("prefix", ["", "Let me check. "])
+def test_a_cut_output_keeps_its_calls_and_drops_its_markup(prefix):
+    """max_tokens cut the output anywhere: the calls whose header is read stay calls (the last
+    with the arguments written so far), whole and streamed; markup not yet a call - a tag, a
+    header - is dropped, never content."""
+    text = prefix + CALLS_ONLY
+    for size in range(len(text) + 1):
+        cut = text[:size]
+        expected = _cut_calls(text, size)
+        content, calls = simple(HERMES.parse(cut, is_cut=True))
+        assert calls == expected, cut
+        assert content is None or prefix.startswith(content), (cut, content)
+        assert (content, calls) == simple(streamed([cut], is_cut=True)), cut
+        for pieces in splits(cut)[:: max(1, size // 4)]:
+            assert simple(streamed(pieces, is_cut=True)) == (content, calls), pieces
+    # Not cut, the model stopped by itself: what it wrote is its content (as ever).
+    assert simple(HERMES.parse("a <tool_c")) == ("a <tool_c", [])
+    assert simple(HERMES.parse("a <tool_c", is_cut=True)) == ("a ", [])
 
 
 def test_ids_are_fresh_and_shaped_like_openai():

@@ -13,8 +13,8 @@ from server.engine_inputs import prompt_of
 from server.protocol import ChatCompletionRequest, parse_request
 from server.tool_calls import NO_TOOLS, tool_use
 from server.tool_parsers import get_parser
-from server.tool_parsers.base import FirstCallParser
-from tests.unit.protocol.helpers import CHAT, patched_body
+from server.tool_parsers.base import FirstCallParser, NamedCallParser
+from tests.unit.protocol.helpers import CHAT, DROP, patched_body
 
 USER = {"role": "user", "content": "Weather in Paris?"}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -256,6 +256,18 @@ def test_tool_choices():
         '{"name": "now", "arguments": '
     ]
     assert tag["stop_after_first"] is True
+    # A named function is one call whatever parallel_tool_calls says, finished with "stop".
+    for parallel in (DROP, True):
+        named_use = tool_use(
+            chat(
+                tools=[WEATHER, NOW],
+                tool_choice={"type": "function", "function": {"name": "now"}},
+                parallel_tool_calls=parallel,
+            ),
+            HERMES,
+        )
+        assert json.loads(named_use.structured.spec)["format"]["stop_after_first"] is True
+        assert isinstance(named_use.parser, NamedCallParser) and named_use.parser.inner is HERMES
     # auto without parallel calls: no grammar, so the reading keeps the first call only.
     single = tool_use(chat(tools=[WEATHER, NOW], parallel_tool_calls=False), HERMES)
     assert single.structured is None and isinstance(single.parser, FirstCallParser)

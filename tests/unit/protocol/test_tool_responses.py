@@ -1,7 +1,8 @@
 """Replies read through a tool parser, validated against the official OpenAPI spec: calls in the
-message with content null and finish reason "tool_calls"; streamed as `delta.tool_calls`
-fragments (id, type and name first, then arguments pieces) that add up to the same calls, at
-every step size, with no markup in the content; each of n choices read on its own."""
+message with content null and finish reason "tool_calls" ("stop" for a named function); streamed
+as `delta.tool_calls` fragments (id, type and name first, then arguments pieces) that add up to
+the same calls, at every step size, with no markup in the content, also in a reply cut by
+max_tokens inside a call; each of n choices read on its own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from server.response_builders import ChatStream, build_chat_response
 from server.token_text import TokenDecoder
 from server.tool_parsers import get_parser
+from server.tool_parsers.base import NamedCallParser
 from tests.unit.protocol.helpers import META, check_body
 
 HERMES = get_parser("hermes")
@@ -72,17 +74,61 @@ def test_reply_with_calls_matches_spec(validators, byte_level):
     assert plain["finish_reason"] == "stop"
 
 
-def test_a_reply_cut_short_keeps_length(validators, byte_level):
-    output = whole(byte_level, [CALL, CALL[:30]], finish="length")
+# Cut inside the header ("<tool_call>\n{"name": "get_weat") and inside the arguments.
+CUT_IN_HEADER, CUT_IN_ARGUMENTS = CALL[:30], CALL[:60]
+
+
+def test_a_reply_cut_short_keeps_length_and_no_markup(validators, byte_level):
+    output = whole(byte_level, [CALL, CUT_IN_HEADER, CUT_IN_ARGUMENTS], finish="length")
     response = build_chat_response(META, output, TokenDecoder(byte_level), tool_parser=HERMES)
     body = check_body(validators["CreateChatCompletionResponse"], response)
-    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
-    assert body["choices"][0]["message"]["content"] is None
-    assert body["choices"][1]["message"] == {
-        "role": "assistant",
-        "content": CALL[:30],
-        "refusal": None,
-    }
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 3
+    messages = [c["message"] for c in body["choices"]]
+    assert [m["content"] for m in messages] == [None, None, None]
+    # A call cut short keeps the arguments written so far; a header cut short is no call.
+    assert [[c["function"]["arguments"] for c in m.get("tool_calls") or []] for m in messages] == [
+        [ARGS],
+        [],
+        ['{"city": "P'],
+    ]
+
+
+@pytest.mark.parametrize("sizes", [[1], [3], [1000]])
+def test_a_streamed_reply_cut_short_reads_as_the_whole_one(validators, byte_level, sizes):
+    texts = [CALL, CUT_IN_HEADER, CUT_IN_ARGUMENTS]
+    stream = ChatStream(META, TokenDecoder(byte_level), tool_parser=HERMES)
+    bodies = [
+        check_body(validators["CreateChatCompletionStreamResponse"], chunk)
+        for step in outputs(byte_level, texts, sizes, finish="length")
+        for chunk in stream.chunks(step)
+    ]
+    output = whole(byte_level, texts, finish="length")
+    response = build_chat_response(META, output, TokenDecoder(byte_level), tool_parser=HERMES)
+    for index, choice in enumerate(response.choices):
+        content, calls, reasons = _collect(bodies, index)
+        assert content == "" and reasons[-1] == "length"
+        expected = [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+        ]
+        assert [(c["name"], c["arguments"]) for c in calls] == expected
+
+
+def test_a_named_function_finishes_with_stop(validators, byte_level):
+    """OpenAI finishes a choice forced to call a named function with "stop", not "tool_calls"."""
+    named = NamedCallParser(HERMES)
+    output = whole(byte_level, [CALL, CALL[:60]], finish="stop")
+    response = build_chat_response(META, output, TokenDecoder(byte_level), tool_parser=named)
+    body = check_body(validators["CreateChatCompletionResponse"], response)
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "stop"]
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == ARGS
+    stream = ChatStream(META, TokenDecoder(byte_level), tool_parser=named)
+    bodies = [
+        check_body(validators["CreateChatCompletionStreamResponse"], chunk)
+        for step in outputs(byte_level, [CALL], [2])
+        for chunk in stream.chunks(step)
+    ]
+    content, calls, reasons = _collect(bodies, 0)
+    assert (content, [c["arguments"] for c in calls], reasons[-1]) == ("", [ARGS], "stop")
 
 
 def test_without_a_parser_calls_are_text(byte_level):
