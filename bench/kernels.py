@@ -3,11 +3,11 @@
 Decode and verify steps are products of a few rows with large weights, so their speed is the
 weight bandwidth. The weights of all 28 layers of Qwen2.5-Coder-1.5B's shapes are cycled through
 so nothing sits in cache. Compared: our AVX2 kernel (engine/kernels, what
-`engine.models.llama.linear` uses up to ALWAYS_ROWS rows where it builds), F.linear
-(x @ W.T), torch.mv (one row), weight @ x.T (the weight as the left operand) and float32 GEMMs
-over converted weight chunks (`f32_chunked_linear`). Past ALWAYS_ROWS rows (prefill chunks) the
-product is compute-bound: GB/s x rows is the multiply-add rate, and the engine takes whichever of
-ours, the float32 chunks and F.linear its start-up probe measures fastest (`prefill_route`).
+`engine.models.llama.linear` uses at any number of rows where it builds, so that a row's result
+does not depend on what shares its step), F.linear (x @ W.T), torch.mv (one row), weight @ x.T
+(the weight as the left operand) and float32 GEMMs over converted weight chunks
+(`f32_chunked_linear`, not batch-invariant, shown for what invariance costs in prefill chunks,
+where the product is compute-bound: GB/s x rows is the multiply-add rate).
 
 --gguf times the GGUF block kernel instead (`quant_linear`, the shipped Q4_K_M's formats: Q4_K
 for qkv, o and gate/up, Q6_K served as our Q6_K8 for down) at the rows of decode and verify

@@ -20,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.device import Device
 from engine.models.gguf import load_quantized
-from engine.models.llama import ForwardContext, RotaryEmbedding, choose_cpu_routes
+from engine.models.llama import ForwardContext, RotaryEmbedding
 from engine.models.loader import load_model, quantization_of
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,6 @@ class ModelRunner:
         )
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)
-        if self.device.torch.type == "cpu":
-            choose_cpu_routes(self.model)
         self.backend = get_attention_backend(config.attention_backend, self.device.torch)
         # Sized for the longest context the engine may allow (max_model_len is settled only
         # after the KV budget), and built before the budget is measured so it counts.

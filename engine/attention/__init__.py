@@ -1,7 +1,7 @@
 """Attention backends, chosen by name through a registry whose factories import lazily.
 
-`torch` runs everywhere (the reference); `cpu` is torch's with decode and verify steps run by our
-CPU paged-attention kernel (it needs the CPU kernels built); `flash_attn` needs CUDA and the
+`torch` runs everywhere (the reference); `cpu` runs every step by our batch-invariant CPU
+paged-attention kernel (it needs the CPU kernels built); `flash_attn` needs CUDA and the
 flash-attn package.
 Each backend declares what it can run (`BackendSpec`): the engine configuration checks a
 (backend, device, dtype, block size) combination against it once, when it is built, so an

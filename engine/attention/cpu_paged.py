@@ -1,10 +1,13 @@
-"""Paged attention on the CPU: decode and verify steps by our kernel, prefill by the torch path.
+"""Paged attention on the CPU: every step by our kernel, prompt chunks included.
 
-A decode or verify step has a few query tokens per request. The torch backend gathers each
-request's whole context into dense K/V tensors every layer and hands them to SDPA, whose set-up
-per call outweighs one query row's arithmetic; `paged_attention` (engine/kernels/cpu_layer.cpp)
-instead reads each K/V row where it lies in its block and writes the step's new K/V itself. A step
-with a longer query (a prefill chunk) is the torch backend's: there SDPA's blocked arithmetic wins.
+The torch backend gathers each request's whole context into dense K/V tensors every layer and
+hands them to SDPA, whose set-up per call outweighs a decode row's arithmetic and whose blocked
+arithmetic depends on the number of queries. `paged_attention` (engine/kernels/cpu_layer.cpp)
+instead reads each K/V row where it lies in its block, writes the step's new K/V itself, and
+computes each query token by the same operations in the same order whatever else is in the step:
+a request's attention output is the same in a decode step, a verify step, a prompt chunk of any
+length, alone or beside other requests (batch invariance: DESIGN.md). So it takes every step;
+a step mixing prompt chunks with decode rows no longer sends the decode rows down another path.
 """
 
 from __future__ import annotations
@@ -15,16 +18,12 @@ import torch
 
 from engine.attention.base import BatchLayout
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.kernels import ALWAYS_ROWS, cpu_kernels
-
-# Longest query (tokens per request) a step may have for the kernel to take it: decode steps and
-# verify steps of up to this many drafts + 1, the shapes the linears' own kernel takes too.
-MAX_KERNEL_QUERY = ALWAYS_ROWS
+from engine.kernels import cpu_kernels
 
 
 @dataclass(frozen=True)
 class CpuPagedMetadata:
-    """Index tensors of a decode or verify step, built once and read by every layer."""
+    """Index tensors of a step, built once and read by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with block 0
@@ -33,13 +32,12 @@ class CpuPagedMetadata:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend, with steps of short queries run by the CPU paged-attention kernel."""
+    """Paged attention by the CPU kernel for every step (the torch backend's methods remain for
+    metadata built by it, e.g. in tests)."""
 
     name = "cpu"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device):
-        if max(layout.query_lens) > MAX_KERNEL_QUERY:
-            return super().build_metadata(layout, device)
         bs = layout.block_size
         used = [-(-seq_len // bs) for seq_len in layout.seq_lens]
         width = max(used)
@@ -60,7 +58,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, CpuPagedMetadata):
             return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
-        return cpu_kernels().paged_attention(
+        kernels = cpu_kernels()
+        assert kernels is not None, "the cpu backend is chosen only where the kernels built"
+        return kernels.paged_attention(
             query,
             key,
             value,

@@ -1,15 +1,24 @@
 """CPU kernels of our own, compiled on first use and cached.
 
-`bf16_linear` (cpu_linear.cpp) multiplies a few activation rows by a bfloat16 weight with AVX2
-and FMA, converting the weight on the fly: decode and verify steps are these shapes, and their
-time is the weight bytes read. torch's own bfloat16 matmuls on a CPU without native bfloat16
-instructions convert through slower paths (`python bench/kernels.py` compares them). On a CPU
-with AVX-512 BF16 it multiplies bfloat16 pairs directly (VDPBF16PS, no conversion of the weight);
-SPECSERVE_CPU_ISA=avx2 keeps the AVX2 path there, and the start-up log names the one in use.
+`bf16_linear` (cpu_linear.cpp) multiplies activation rows by a bfloat16 weight with AVX2 and
+FMA, converting the weight on the fly, and `f32_linear` by a float32 weight with the same tiles:
+decode and verify steps are a few rows, and their time is the weight bytes read. torch's own
+bfloat16 matmuls on a CPU without native bfloat16 instructions convert through slower paths
+(`python bench/kernels.py` compares them). On a CPU with AVX-512 BF16 `bf16_linear` multiplies
+bfloat16 pairs directly (VDPBF16PS, no conversion of the weight); SPECSERVE_CPU_ISA=avx2 keeps
+the AVX2 path there, and the start-up log names the one in use.
 `quant_linear` (cpu_quant.cpp) multiplies by GGUF blocks; on a CPU with AVX-512 (`quant_isa`)
 Q4_K runs one row per 16-lane register, its nibbles made floats by a 16-entry permute, at any
 number of rows, and the other formats' batches of 4+ rows run two rows per register with the
 same per-row arithmetic as AVX2; SPECSERVE_CPU_ISA=avx2 keeps everything on AVX2.
+
+Batch invariance: every product here computes each activation row by the same float32
+operations in the same order whatever the number of rows M, the row's place among them and the
+threads' split of the work, so a request's logits do not depend on what else shares its step
+(DESIGN.md, "Batch invariance"). The model takes these kernels at every M, prefill chunks
+included; a BLAS GEMM (torch.mm, F.linear) chooses its blocking and summation order by the
+shape, so it is not used where the kernels built. `f32_chunked_linear` and
+`dequantized_chunks_linear` are such GEMMs, kept as the benchmarks' baselines.
 
 The extension is built with torch's C++ extension tooling the first time a process needs it
 (a C++ compiler and ninja; about a minute), under <cache root>/kernels/, keyed by the source,
@@ -24,7 +33,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import math
 import os
 import platform
 import threading
@@ -34,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +61,7 @@ _HEADERS = tuple(
 )  # part of the build key, not compiled alone
 # -ffp-contract=off: `dequantize` must round each multiply and subtract as the gguf package does.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"]
-# Re-entrant: timing a route may build the kernels (cpu_kernels), which takes it too.
+# Guards the one build of the extension per process.
 _lock = threading.RLock()
 _loaded: dict[str, Any] = {}
 
@@ -160,15 +167,6 @@ def _build() -> Any:
     return module
 
 
-# Up to this many activation rows our kernel always wins (decode and verify steps stream the
-# weights; torch's bfloat16 matmuls convert through slower paths). Past it the product is
-# compute-bound, and which formulation is fastest depends on the CPU (its bfloat16 support,
-# oneDNN's and the BLAS's paths), so `prefill_linear` measures them once.
-ALWAYS_ROWS = 16
-# The routes are timed at these row counts; a product takes the winner at the nearest one (in
-# ratio: up to 128 rows the 64-row winner). Our kernel's multiply-add rate is flat in the rows,
-# the float32 GEMM's grows with them, so the answer can change between the two.
-_PROBE_ROWS = (64, 256)
 # Weight rows converted to float32 at a time by `f32_chunked_linear`: a few MiB, so a chunk is
 # still in cache when the GEMM reads it.
 _CHUNK_BYTES = 4 << 20
@@ -178,9 +176,9 @@ def f32_chunked_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) in float32 GEMMs over float32 copies of a few weight
-    rows at a time, the result in x's dtype. The weights are converted once per call, so the
-    conversion is amortised over M rows; the GEMM is the BLAS's float32 one, far faster than
-    bfloat16 on CPUs without native bfloat16 arithmetic."""
+    rows at a time, the result in x's dtype: the BLAS's float32 GEMM, far faster than bfloat16
+    on CPUs without native bfloat16 arithmetic, but not batch-invariant (a benchmark baseline;
+    the model uses `bf16_linear`)."""
     return _chunked_float32_gemm(
         x, weight.shape[0], lambda n0, n1: weight[n0:n1].float(), bias, x.dtype
     )
@@ -208,97 +206,17 @@ def _chunked_float32_gemm(
     return out
 
 
-def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    return F.linear(x, weight, bias)
-
-
-def _ours(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    return _loaded["module"].bf16_linear(x, weight, bias)
-
-
-PREFILL_ROUTES = {"ours": _ours, "float32 chunks": f32_chunked_linear, "torch": _torch_linear}
-
-
-def prefill_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """A bfloat16 CPU linear over more than ALWAYS_ROWS rows (prefill chunks, big batches), by
-    the route that measured fastest here at about that many rows."""
-    return PREFILL_ROUTES[prefill_route(weight, x.shape[0])](x, weight, bias)
-
-
-def prefill_route(weight: torch.Tensor, rows: int) -> str:
-    """The fastest of PREFILL_ROUTES for `rows` rows. Timed at each of _PROBE_ROWS on the first
-    weight asked about, once per process (well under a second), logged, then reused for every
-    bfloat16 weight."""
-    return _timed_route(
-        "prefill_routes", rows, lambda probe: _measure_prefill_routes(weight, probe)
-    )
-
-
-def _timed_route(key: str, rows: int, measure: Any) -> str:
-    """The winner at the probe nearest `rows` (in ratio) of the routes `measure(probe)` times,
-    measured at every probe the first time `key` is asked about and kept for the process."""
-    if key not in _loaded:
-        with _lock:
-            if key not in _loaded:
-                _loaded[key] = {probe: measure(probe) for probe in _PROBE_ROWS}
-    nearest = min(_PROBE_ROWS, key=lambda probe: abs(math.log(rows / probe)))
-    return str(_loaded[key][nearest])
-
-
-def _measure_prefill_routes(weight: torch.Tensor, rows: int) -> str:
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device="cpu")
-    routes = {
-        name: lambda fn=fn: fn(x, weight, None)
-        for name, fn in PREFILL_ROUTES.items()
-        if name != "ours" or cpu_kernels() is not None
-    }
-    return _fastest(routes, f"bfloat16 linear over {rows} rows, {'x'.join(map(str, weight.shape))}")
-
-
-def _fastest(routes: dict[str, Any], what: str) -> str:
-    """The name of the fastest of `routes` (name -> a call to time), logged with every time."""
-    seconds = {name: _best_seconds(fn) for name, fn in routes.items()}
-    best = min(seconds, key=seconds.__getitem__)
-    timings = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items())
-    logger.info("%s: %s -> %s", what, timings, best)
-    return best
-
-
-def _best_seconds(fn: Any, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 # ---------------------------------------------------------------------------- GGUF blocks
-
-# Up to ALWAYS_ROWS rows (decode and verify steps) a quantised linear always runs our kernel,
-# which computes each row alike whatever the batch, so a request's tokens do not depend on what
-# it is batched with; past it (prefill chunks) `quant_route` picks by measurement, timed on a
-# weight of at least this many rows (smaller ones do not show what the big projections do).
-QUANT_TIMED_MIN_ROWS = 1024
 
 
 def dequantized_chunks_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [M, K] @ W.T in float32 GEMMs, W dequantised (exactly) a few MiB of rows at a time: for
-    many rows the BLAS's GEMM outruns a kernel that decodes every block for each tile of rows."""
+    many rows the BLAS's GEMM outruns a kernel that decodes every block for each tile of rows,
+    but it is not batch-invariant (a benchmark baseline; the model uses `quant_linear`)."""
     module, num_in = _loaded["module"], x.shape[1]
     return _chunked_float32_gemm(
         x, blocks.shape[0], lambda n0, n1: module.dequantize(blocks[n0:n1], qtype, num_in)
     )
-
-
-def _quant_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    return _loaded["module"].quant_linear(x, blocks, qtype)
-
-
-QUANT_ROUTES = {"ours": _quant_kernel, "dequantised chunks": dequantized_chunks_linear}
 
 
 def quant_linear(
@@ -309,42 +227,13 @@ def quant_linear(
     int8: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) in float32 for a GGUF-quantised W (engine.models.gguf) whose rows
-    are the runs blocks[0], blocks[1], ... of GGML types qtypes[i]: up to ALWAYS_ROWS rows in one
-    call of our kernel, past it each run by the route that measured fastest here at about M rows.
-    With `int8`, the runs whose format has an int8-activation product (`int8_supported`: the
-    K-quants Q4_K and Q6_K) multiply x quantised to int8 (`quantize_activations`), at any number
-    of rows, and the others as above. Needs `cpu_kernels()`."""
+    are the runs blocks[0], blocks[1], ... of GGML types qtypes[i], by our kernel at any M (each
+    row's result the same whatever M). With `int8`, the runs whose format has an int8-activation
+    product (`int8_supported`: the K-quants Q4_K and Q6_K) multiply x quantised to int8
+    (`quantize_activations`), and the others as without. Needs `cpu_kernels()`."""
     if int8:
         return _int8_linear(x, blocks, qtypes, bias)
-    rows = x.shape[0]
-    if rows <= ALWAYS_ROWS:
-        return _loaded["module"].quant_linear_parts(x, blocks, qtypes, bias)
-    columns = x.shape[1]
-    outs = [
-        QUANT_ROUTES[quant_route(part, qtype, columns, rows)](x, part, qtype)
-        for part, qtype in zip(blocks, qtypes, strict=True)
-    ]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    if bias is not None:
-        out += bias  # float32 += the model dtype: no converted copy
-    return out
-
-
-def quant_route(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
-    """The faster of QUANT_ROUTES at the probe nearest `rows`, timed once per process on the
-    first weight asked about with at least QUANT_TIMED_MIN_ROWS rows, and logged; until then,
-    the dequantised chunks."""
-    if "quant_routes" not in _loaded and blocks.shape[0] < QUANT_TIMED_MIN_ROWS:
-        return "dequantised chunks"
-    return _timed_route(
-        "quant_routes", rows, lambda probe: _measure_quant_routes(blocks, qtype, columns, probe)
-    )
-
-
-def _measure_quant_routes(blocks: torch.Tensor, qtype: int, columns: int, rows: int) -> str:
-    x = torch.randn(rows, columns, device="cpu")
-    routes = {name: lambda fn=fn: fn(x, blocks, qtype) for name, fn in QUANT_ROUTES.items()}
-    return _fastest(routes, f"quantised linear over {rows} rows, {blocks.shape[0]}x{columns}")
+    return _loaded["module"].quant_linear_parts(x, list(blocks), list(qtypes), bias)
 
 
 def int8_supported(qtype: int, columns: int) -> bool:

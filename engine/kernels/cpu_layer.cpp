@@ -5,11 +5,13 @@
 // or bfloat16) and rounds where the torch formulation in engine/models/llama.py rounds, so the
 // two agree to float32 summation order (tests/unit/test_cpu_layer_kernels.py).
 //
-// Paged attention for decode and verify steps: a few query
-// tokens per request, each attending to its request's cached context straight from the paged KV
-// blocks. torch's route for these shapes gathers every request's K and V into dense tensors and
-// then runs SDPA, whose per-call set-up outweighs the arithmetic of one query row; here each
-// (query token, KV head) pair is one task that reads the K/V rows it needs where they lie.
+// Paged attention for every step: each query token attends to its request's cached context
+// straight from the paged KV blocks, each (query token, KV head) pair one task that reads the
+// K/V rows it needs where they lie. torch's route gathers every request's K and V into dense
+// tensors and runs SDPA, whose per-call set-up outweighs the arithmetic of one query row, and
+// whose blocked arithmetic differs with the number of queries; here a token's arithmetic is the
+// same in any step (decode, verify, any prompt chunk, beside any other requests): batch
+// invariance, which greedy speculation's exactness and reproducible answers rest on.
 //
 // Per query head: scores s_j = scale * q . k_j over the keys the token may see (its own position
 // and everything before it in its request), p_j = exp(s_j - max s) / sum, out = sum_j p_j v_j.
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -89,7 +92,76 @@ struct Layout {
   int64_t num_reqs;
 };
 
+// f(std::integral_constant<int, n>()) for 1 <= n <= 7; nothing for n = 0.
+template <class F>
+inline void with_vectors(int64_t n, F&& f) {
+  switch (n) {
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 1: f(std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+
+// The lane sums of a, b, c and d: [sum a, sum b, sum c, sum d], each by one fixed tree,
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), whatever the other three hold.
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Keys scored per pass: 8 independent multiply-add chains hide their latency.
+constexpr int64_t kKeyTile = 8;
+
+// scores[j] = q . k_j for the keys j in [j0, j0 + kKeyTile) below `visible` (q already scaled):
+// per key one 8-lane multiply-add chain over d in order, summed by sum4's tree, then the
+// columns past the last multiple of 8 in order. Keys past `visible` repeat the last one, and are
+// not stored: a key's score is the same wherever it falls in a tile.
+template <class T, class KeyRow>
+inline void score_tile(const float* q, int64_t D, int64_t j0, int64_t visible, KeyRow&& key_row,
+                       float* scores) {
+  const T* k[kKeyTile];
+  for (int64_t i = 0; i < kKeyTile; ++i) k[i] = key_row(std::min(j0 + i, visible - 1));
+  __m256 acc[kKeyTile];
+  for (int64_t i = 0; i < kKeyTile; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t d8 = D - D % 8;
+  for (int64_t d = 0; d < d8; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int64_t i = 0; i < kKeyTile; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(k[i] + d), acc[i]);
+  }
+  alignas(16) float sums[kKeyTile];
+  _mm_store_ps(sums, sum4(acc[0], acc[1], acc[2], acc[3]));
+  _mm_store_ps(sums + 4, sum4(acc[4], acc[5], acc[6], acc[7]));
+  for (int64_t i = 0; i < kKeyTile && j0 + i < visible; ++i) {
+    float s = sums[i];
+    for (int64_t d = d8; d < D; ++d) s += q[d] * static_cast<float>(k[i][d]);
+    scores[j0 + i] = s;
+  }
+}
+
+// o[0, 8 NV) = sum_j p_j v_j[0, 8 NV) over j in [0, visible) in order, one multiply-add per
+// term, the sums held in registers.
+template <int NV, class T, class ValueRow>
+inline void weigh_values(const float* p, int64_t visible, int64_t d0, ValueRow&& value_row,
+                         float* o) {
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    const T* v = value_row(j) + d0;
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+}
+
 // Query token t, KV head g: every query head of g's group attends over the token's visible keys.
+// A token's arithmetic depends only on its own query, its position and its request's cache: not
+// on the other tokens of the step, the other requests, or how the step's work is split among
+// threads, so its result is the same in a decode step, a verify step or any prompt chunk.
 template <class T>
 void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache, float scale,
             T* out, int64_t t, int64_t g, std::vector<float>& scores, std::vector<float>& acc) {
@@ -102,26 +174,20 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   const int64_t visible = L.seq_lens[r] - query_len + (t - L.query_start[r]) + 1;
   const int32_t* table = L.block_tables + r * L.max_blocks;
   const int64_t kv_stride = L.num_kv_heads * D;  // between consecutive slots
+  const auto offset = [&](int64_t j) {
+    const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
+    return slot * kv_stride + g * D;
+  };
+  const auto key_row = [&](int64_t j) { return k_cache + offset(j); };
+  const auto value_row = [&](int64_t j) { return v_cache + offset(j); };
   scores.resize(visible);
   acc.resize(2 * D);
   float* q = acc.data() + D;
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     to_float(query + (t * L.num_heads + h) * D, q, D, scale);
+    for (int64_t j = 0; j < visible; j += kKeyTile) score_tile<T>(q, D, j, visible, key_row, scores.data());
     float best = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < visible; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
-      const T* k = k_cache + slot * kv_stride + g * D;
-      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), s1);
-      }
-      float s = horizontal_sum(_mm256_add_ps(s0, s1));
-      for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-      scores[j] = s;
-      best = std::max(best, s);
-    }
+    for (int64_t j = 0; j < visible; ++j) best = std::max(best, scores[j]);
     const __m256 best8 = _mm256_set1_ps(best);
     __m256 total8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -136,14 +202,15 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
       total += scores[j];
     }
     float* o = acc.data();
-    std::fill(o, o + D, 0.0f);
-    for (j = 0; j < visible; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
-      const T* v = v_cache + slot * kv_stride + g * D;
-      const __m256 p = _mm256_set1_ps(scores[j]);
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(v + d), _mm256_loadu_ps(o + d)));
-      for (; d < D; ++d) o[d] += scores[j] * static_cast<float>(v[d]);
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) weigh_values<8, T>(scores.data(), visible, d0, value_row, o);
+    with_vectors((D - d0) / 8, [&](auto nv) {
+      weigh_values<decltype(nv)::value, T>(scores.data(), visible, d0, value_row, o);
+    });
+    for (int64_t d = d0 + (D - d0) / 8 * 8; d < D; ++d) {
+      float sum = 0.0f;
+      for (j = 0; j < visible; ++j) sum += scores[j] * static_cast<float>(value_row(j)[d]);
+      o[d] = sum;
     }
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;

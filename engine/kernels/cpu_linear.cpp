@@ -1,21 +1,24 @@
-// bfloat16-weight linear layers for x86-64 CPUs with AVX2 and FMA, the shapes of decode and
-// verify steps: a few rows of activations against a large weight matrix, where the time is the
-// weight bytes read from memory.
+// bfloat16- and float32-weight linear layers for x86-64 CPUs with AVX2 and FMA: a few rows of
+// activations against a large weight matrix (decode and verify steps), where the time is the
+// weight bytes read from memory, and prefill chunks of any length.
 //
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x converted to float32 once, w bfloat16
-// [N, K] row-major as nn.Linear stores it. A bfloat16 value is the high half of a float32, so a
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x converted to float32 once, w [N, K]
+// row-major as nn.Linear stores it. A bfloat16 value is the high half of a float32, so a
 // weight converts with one widening move and one shift; products and sums are float32. Each
 // thread takes a contiguous range of output rows (so it streams a contiguous range of weight
 // memory) and, for every group of NT weight rows, loads each 8-wide chunk once and multiplies it
 // with MT activation rows held in registers; for more activation rows the group's weight rows
 // are read again from L1/L2, not from memory. Threads come from torch's own pool
-// (at::parallel_for), so the engine keeps one OpenMP team.
+// (at::parallel_for), so the engine keeps one OpenMP team. Every output is the same chain of
+// float32 operations whatever M and the tiling are, so a row's result does not depend on the
+// other rows of the step (batch invariance; a BLAS GEMM does not promise that).
 //
 // On CPUs with AVX-512 BF16 (avx512_bf16_enabled) the same product runs on VDPBF16PS instead,
 // which multiplies 32 bfloat16 pairs exactly into float32 and adds them in one instruction, so
 // the weights need no conversion at all: activations that are bfloat16 are used as they are, and
 // float32 ones as three bfloat16 parts whose sum is exactly x (bf16_terms), so every product is
-// still exact and only the float32 summation order differs from the AVX2 path.
+// still exact and only the float32 summation order differs from the AVX2 path (and is again
+// the same for every row at any M).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -74,22 +77,33 @@ inline float bf16_to_float(uint16_t v) {
   return out;
 }
 
+// A weight chunk of 8 as float32 lanes, and one weight as a float: bfloat16 (the high halves of
+// float32s) or float32.
+inline __m256 load_weights(const uint16_t* p) { return load_bf16(p); }
+inline __m256 load_weights(const float* p) { return _mm256_loadu_ps(p); }
+inline float weight_value(uint16_t v) { return bf16_to_float(v); }
+inline float weight_value(float v) { return v; }
+
 // NT weight rows [n, n + NT) times MT activation rows [m, m + MT): NT * MT accumulators, NT
-// weight registers and one activation register (at most 16 ymm registers).
-template <int NT, int MT>
-inline void tile(const float* x, const uint16_t* w, float* out, int64_t K, int64_t N, int64_t n,
+// weight registers and one activation register (at most 16 ymm registers). Each output's sum is
+// the same chain of multiply-adds over k whatever NT and MT are (8 lanes, in k order, then
+// horizontal_sum, then the columns past the last multiple of 8 in order), so a row's result does
+// not depend on how many rows share its tile or on where they sit: batch invariance.
+template <class W, int NT, int MT>
+inline void tile(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t n,
                  int64_t m) {
+  constexpr int64_t kLine = 64 / sizeof(W), kAhead = 512 / sizeof(W);  // weights per line, ahead
   __m256 acc[NT][MT];
   for (int i = 0; i < NT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t k8 = K - K % 8;
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[NT];
-    if ((k & 31) == 0) {  // one prefetch per 64-byte line, 512 bytes ahead of the loads
+    if ((k & (kLine - 1)) == 0) {  // one prefetch per 64-byte line, 512 bytes ahead of the loads
       for (int i = 0; i < NT; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + i) * K + k + 256), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + i) * K + k + kAhead), _MM_HINT_T0);
     }
-    for (int i = 0; i < NT; ++i) wv[i] = load_bf16(w + (n + i) * K + k);
+    for (int i = 0; i < NT; ++i) wv[i] = load_weights(w + (n + i) * K + k);
     for (int j = 0; j < MT; ++j) {
       const __m256 xv = _mm256_loadu_ps(x + (m + j) * K + k);
       for (int i = 0; i < NT; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -98,23 +112,23 @@ inline void tile(const float* x, const uint16_t* w, float* out, int64_t K, int64
   for (int i = 0; i < NT; ++i) {
     for (int j = 0; j < MT; ++j) {
       float sum = horizontal_sum(acc[i][j]);
-      for (int64_t k = k8; k < K; ++k) sum += bf16_to_float(w[(n + i) * K + k]) * x[(m + j) * K + k];
+      for (int64_t k = k8; k < K; ++k) sum += weight_value(w[(n + i) * K + k]) * x[(m + j) * K + k];
       out[(m + j) * N + n + i] = sum;
     }
   }
 }
 
 // NT weight rows against MT activation rows, MT chosen at run time (1 to 6).
-template <int NT>
-inline void tile_rows(int64_t mt, const float* x, const uint16_t* w, float* out, int64_t K,
-                      int64_t N, int64_t n, int64_t m) {
+template <class W, int NT>
+inline void tile_rows(int64_t mt, const float* x, const W* w, float* out, int64_t K, int64_t N,
+                      int64_t n, int64_t m) {
   switch (mt) {
-    case 6: tile<NT, 6>(x, w, out, K, N, n, m); break;
-    case 5: tile<NT, 5>(x, w, out, K, N, n, m); break;
-    case 4: tile<NT, 4>(x, w, out, K, N, n, m); break;
-    case 3: tile<NT, 3>(x, w, out, K, N, n, m); break;
-    case 2: tile<NT, 2>(x, w, out, K, N, n, m); break;
-    default: tile<NT, 1>(x, w, out, K, N, n, m); break;
+    case 6: tile<W, NT, 6>(x, w, out, K, N, n, m); break;
+    case 5: tile<W, NT, 5>(x, w, out, K, N, n, m); break;
+    case 4: tile<W, NT, 4>(x, w, out, K, N, n, m); break;
+    case 3: tile<W, NT, 3>(x, w, out, K, N, n, m); break;
+    case 2: tile<W, NT, 2>(x, w, out, K, N, n, m); break;
+    default: tile<W, NT, 1>(x, w, out, K, N, n, m); break;
   }
 }
 
@@ -141,14 +155,14 @@ inline void for_each_tile(int64_t max_tile, int64_t m0, int64_t m1, int64_t n0, 
 }
 
 // With 2 weight rows per group the activation rows go in tiles of up to 6 (12 accumulators).
-template <int NT>
-void row_range(const float* x, const uint16_t* w, float* out, int64_t m0, int64_t m1, int64_t K,
+template <int NT, class W>
+void row_range(const float* x, const W* w, float* out, int64_t m0, int64_t m1, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
   for_each_tile<NT>(NT <= 2 ? 6 : 1, m0, m1, n0, n1, [&](bool group, int64_t mt, int64_t n, int64_t m) {
     if (group) {
-      tile_rows<NT>(mt, x, w, out, K, N, n, m);
+      tile_rows<W, NT>(mt, x, w, out, K, N, n, m);
     } else {
-      tile<1, 1>(x, w, out, K, N, n, m);
+      tile<W, 1, 1>(x, w, out, K, N, n, m);
     }
   });
 }
@@ -157,21 +171,44 @@ void row_range(const float* x, const uint16_t* w, float* out, int64_t m0, int64_
 // stays in L2 while every weight row is multiplied with it, and the weights are streamed once
 // per block.
 constexpr int64_t kRowBlock = 16;
+// Past kRowBlock rows (prefill chunks), weight groups a thread takes at a time through every
+// block of activation rows: a few KiB to a few hundred of weights, read from memory once and
+// from cache by the other blocks, and one parallel region for the whole product instead of one
+// per block of rows (each a wait on the slowest thread).
+constexpr int64_t kGroupChunk = 16;
 
 // The activation rows in blocks of kRowBlock, each against all the weight rows split among the
 // threads in groups of 4 (one activation row: 4 weight rows in flight hide memory latency) or 2
 // (more activation rows: 2 x a tile of accumulators). range(group, m0, m1, n0, n1) computes one
-// thread's share of one block.
+// thread's share of one block. How the work is split changes no output's arithmetic (`tile`).
 template <class F>
 void split_rows(int64_t M, int64_t N, F&& range) {
   const int64_t group = M == 1 ? 4 : 2;
   const int64_t num_groups = (N + group - 1) / group;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t m1 = std::min(M, m0 + kRowBlock);
-    at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
-      range(group, m0, m1, begin * group, std::min(N, end * group));
+  if (M > kRowBlock) {
+    at::parallel_for(0, num_groups, kGroupChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t g0 = begin; g0 < end; g0 += kGroupChunk) {
+        const int64_t n0 = g0 * group, n1 = std::min(N, std::min(end, g0 + kGroupChunk) * group);
+        for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) range(group, m0, std::min(M, m0 + kRowBlock), n0, n1);
+      }
     });
+    return;
   }
+  at::parallel_for(0, num_groups, 8, [&](int64_t begin, int64_t end) {
+    range(group, 0, M, begin * group, std::min(N, end * group));
+  });
+}
+
+// out [M, N] float32 = x [M, K] float32 @ w [N, K].T by the AVX2 tiles.
+template <class W>
+void dense_linear_avx2(const float* xp, const W* wp, float* op, int64_t M, int64_t K, int64_t N) {
+  split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (group == 4) {
+      row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
+    } else {
+      row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
+    }
+  });
 }
 
 }  // namespace
@@ -318,15 +355,25 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
     dense_bf16dot(bf16_terms(x), wp, op, N);
   } else {
     const auto xf = x.to(at::kFloat).contiguous();
-    const float* xp = xf.data_ptr<float>();
-    split_rows(M, N, [&](int64_t group, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-      if (group == 4) {
-        row_range<4>(xp, wp, op, m0, m1, K, N, n0, n1);
-      } else {
-        row_range<2>(xp, wp, op, m0, m1, K, N, n0, n1);
-      }
-    });
+    dense_linear_avx2(xf.data_ptr<float>(), wp, op, M, K, N);
   }
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out.to(x.scalar_type());
+}
+
+// x [M, K] (any float dtype), weight [N, K] float32, bias [N] or empty -> [M, N] in x's dtype:
+// bf16_linear's AVX2 tiles over float32 weights, on every CPU. Each row's result is the same
+// at any M (`tile`), where a BLAS GEMM picks its blocking and summation order by the shape.
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "f32_linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "f32_linear: a contiguous float32 weight expected");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "f32_linear: CPU tensors expected");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, torch::dtype(torch::kFloat32));
+  const auto xf = x.to(at::kFloat).contiguous();
+  dense_linear_avx2(xf.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
@@ -359,6 +406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kFree = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("bf16_linear", &bf16_linear,
         "x @ weight.T (+ bias) with a bfloat16 weight (AVX-512 BF16 or AVX2/FMA)", kFree);
+  m.def("f32_linear", &f32_linear, "x @ weight.T (+ bias) with a float32 weight (AVX2/FMA)",
+        kFree);
   m.def("cpu_isa", &cpu_isa, "the bfloat16 linear's instruction set: avx512bf16 or avx2", kFree);
   m.def("set_cpu_isa", &set_cpu_isa, "switch the bfloat16 linear's instruction set; returns the previous",
         kFree);

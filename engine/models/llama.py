@@ -17,15 +17,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import (
-    ALWAYS_ROWS,
-    QUANT_TIMED_MIN_ROWS,
-    cpu_kernels,
-    prefill_linear,
-    prefill_route,
-    quant_linear,
-    quant_route,
-)
+from engine.kernels import cpu_kernels, quant_linear
 from engine.models.gguf import QuantTensor
 
 
@@ -113,10 +105,11 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] -> [num_tokens, out], with the CPU kernels that stream weights fastest.
 
-    bfloat16 weights: up to ALWAYS_ROWS rows (decode and verify steps), our own AVX2 kernel
-    (engine/kernels) where it could be built; past it (prefill chunks), whichever of our kernel,
-    float32 GEMMs over converted weight chunks and torch's bfloat16 GEMM measured fastest on this
-    machine (`prefill_linear`). Without the kernel, small products go to torch as follows.
+    bfloat16 and float32 weights on a CPU where our kernels built: `bf16_linear` / `f32_linear`
+    (engine/kernels) at any number of rows, prefill chunks included, because each row's result
+    is then the same whatever else shares the step (batch invariance: DESIGN.md), which a BLAS
+    GEMM does not promise. Without them (other CPUs, SPECSERVE_CPU_KERNELS=0), torch as follows,
+    fast but not batch-invariant.
 
     Measured here on bfloat16 weights, cycling through all 28 layers of the 1.5B model so nothing
     sits in cache: F.linear reads them at ~19-20 GB/s for 1 to 16 rows; torch.mv (one row) at
@@ -124,14 +117,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     still ahead of F.linear up to a 256-token prefill chunk. Decode and verify steps are exactly
     these shapes, so they read the weights ~1.3x faster. float32 is left to F.linear past one
     row: there the transposed product was 2.5x slower at 2 rows (SmolLM2's shapes)."""
+    if x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
+        kernels = cpu_kernels()
+        if kernels is not None:
+            if weight.dtype == torch.bfloat16:
+                return kernels.bf16_linear(x, weight, bias)
+            return kernels.f32_linear(x, weight, bias)
     if x.device.type != "cpu" or (x.dtype == torch.float32 and x.shape[0] > 1):
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16:
-        kernels = cpu_kernels()
-        if x.shape[0] > ALWAYS_ROWS:
-            return prefill_linear(x, weight, bias)
-        if kernels is not None:
-            return kernels.bf16_linear(x, weight, bias)
     if x.shape[0] == 1:
         out = torch.mv(weight, x[0])
         return (out if bias is None else out + bias).unsqueeze(0)
@@ -143,12 +136,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, in] @ weight.T in float32: our bfloat16 kernel's float32 sums as they are
-    (decode and verify rows on a CPU where it built), elsewhere `linear`'s result converted."""
-    if x.device.type == "cpu" and weight.dtype == torch.bfloat16 and x.shape[0] <= ALWAYS_ROWS:
+    """x [num_tokens, in] @ weight.T in float32: our kernels' float32 sums as they are (any
+    number of rows, on a CPU where they built), elsewhere `linear`'s result converted."""
+    if x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
         kernels = cpu_kernels()
         if kernels is not None:
-            return kernels.bf16_linear(x.float(), weight, None)
+            product = kernels.bf16_linear if weight.dtype == torch.bfloat16 else kernels.f32_linear
+            return product(x.float(), weight, None)
     return linear(x, weight).float()
 
 
@@ -353,19 +347,3 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.logits(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return float32_linear(hidden, head.weight)
-
-
-def choose_cpu_routes(model: nn.Module) -> None:
-    """Time the CPU prefill routes (`prefill_route`, `quant_route`) now, while the engine starts,
-    instead of inside the first request's prefill, where they would add to its time to first
-    token. Each is timed once per process, on the weight the first prefill would ask about."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            big = [part for part in module.parts if part.rows >= QUANT_TIMED_MIN_ROWS]
-            if big:
-                quant_route(big[0].blocks, big[0].qtype, big[0].columns, 2 * ALWAYS_ROWS)
-                break
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
-            prefill_route(module.weight, 2 * ALWAYS_ROWS)
-            break

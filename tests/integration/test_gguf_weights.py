@@ -187,22 +187,3 @@ def test_quantization_is_checked_with_the_config():
         EngineConfig(model="x", quantization="int4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(model="x", quantization="gguf", device="cuda", attention_backend="torch")
-
-
-def test_prefill_routes_are_timed_at_start_not_in_the_first_request(tmp_path, monkeypatch):
-    # gate and up in one format: one run of 1,024 rows, big enough to be timed.
-    formats = {**MIXED_FORMATS, "mlp.up_proj": Q.Q4_0}
-    model = build_tiny_gguf_model(tmp_path / "m", "llama", seed=2, formats=formats)
-    timed: list[int] = []
-
-    def measure(blocks, qtype, columns, rows):
-        timed.append(rows)
-        return "ours"
-
-    monkeypatch.delitem(kernels._loaded, "quant_routes", raising=False)
-    monkeypatch.setattr(kernels, "_measure_quant_routes", measure)
-    llm = LLM(str(model), dtype="float32", quantization="gguf")
-    assert timed == list(kernels._PROBE_ROWS)
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate([list(range(3, 60))], params)  # a 57-token prefill: the routes are known
-    assert timed == list(kernels._PROBE_ROWS)

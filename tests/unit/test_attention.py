@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.attention import BACKENDS, get_attention_backend
-from engine.attention.cpu_paged import MAX_KERNEL_QUERY, CpuPagedMetadata
+from engine.attention.cpu_paged import CpuPagedMetadata
 from engine.kernels import cpu_kernels
 from tests.attention_cases import dense_reference, make_case
 
@@ -54,7 +54,8 @@ def test_unknown_backend_is_rejected():
         ([1], [0]),  # a first token attends to itself only
         ([1, 1, 1], [300, 7, 90]),  # decode, contexts across many blocks
         ([5, 3], [40, 0]),  # verify steps of different draft counts
-        ([MAX_KERNEL_QUERY, 1], [17, 33]),  # the longest query the kernel takes
+        ([16, 1], [17, 33]),  # a verify step of 15 drafts beside a decode row
+        ([70, 1, 33], [0, 40, 9]),  # prompt chunks (the kernel takes them too) and a decode row
     ],
 )
 @pytest.mark.parametrize("head_dim", [16, 64, 20])  # 20: a tail past the 8- and 16-wide loops
@@ -88,12 +89,14 @@ def test_cpu_kernel_steps_match_dense(query_lens, context_lens, head_dim):
 
 
 @needs_kernels
-def test_cpu_backend_leaves_prefill_to_torch():
-    case = make_case([MAX_KERNEL_QUERY + 1, 1], [0, 5], 4)
+def test_cpu_backend_runs_prompt_chunks_by_the_kernel_too():
+    """Every step is the kernel's, so a decode row is computed alike beside a prompt chunk
+    (batch invariance: tests/unit/test_batch_invariance_kernels.py holds its bits)."""
+    case = make_case([200, 1], [0, 5], 4)
     meta = get_attention_backend("cpu", torch.device("cpu")).build_metadata(
         case.layout, torch.device("cpu")
     )
-    assert not isinstance(meta, CpuPagedMetadata)
+    assert isinstance(meta, CpuPagedMetadata)
 
 
 def test_auto_on_cpu_is_the_kernel_backend_where_it_builds(monkeypatch):

