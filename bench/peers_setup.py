@@ -198,21 +198,31 @@ def specserve_config_dict(
     return {"engine": engine, "server": {**base.get("server", {}), "host": "127.0.0.1"}}
 
 
-def resolve_model_dir(name: str) -> Path:
+def resolve_model_dir(name: str, dense: bool = True) -> Path:
     """The Hugging Face directory specserve converted bundled model `name` into (converting it on
-    first use). In a child process: the conversion's torch and memory stay out of the bench."""
-    code = "import sys; from engine.models.bundled import resolve_model as r; print(r(sys.argv[1]))"
-    done = subprocess.run(
-        [sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True, text=True
+    first use), with its dense bfloat16 checkpoint where `dense` (written on first use: the
+    dense engines read it). In a child process: the conversion's torch and memory stay out of
+    the bench."""
+    code = (
+        "import sys; from engine.models.bundled import resolve_model as r; "
+        "print(r(sys.argv[1], dense=sys.argv[2] == 'dense'))"
     )
+    argv = [sys.executable, "-c", code, name, "dense" if dense else "gguf"]
+    done = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True)
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def _prepare_specserve(settings: EngineSettings) -> dict[str, Path | str]:
-    return {
-        "target": resolve_model_dir(settings.target),
-        "draft": resolve_model_dir(settings.draft),
-    }
+def _prepare_specserve(dense: bool) -> Callable[[EngineSettings], dict[str, Path | str]]:
+    """Resolve the target and the draft, with their dense checkpoints where `dense` (specserve's
+    dense bfloat16 engine; the GGUF one reads the files' blocks)."""
+
+    def prepare(settings: EngineSettings) -> dict[str, Path | str]:
+        return {
+            "target": resolve_model_dir(settings.target, dense),
+            "draft": resolve_model_dir(settings.draft, dense),
+        }
+
+    return prepare
 
 
 def _specserve_command(quantization: str) -> Callable[..., ServerCommand]:
@@ -274,8 +284,10 @@ def _llama_cpp_command(
 
 
 ENGINES: dict[str, Engine] = {
-    "specserve": Engine("specserve", _prepare_specserve, _specserve_command("none")),
-    "specserve-gguf": Engine("specserve GGUF", _prepare_specserve, _specserve_command("gguf")),
+    "specserve": Engine("specserve", _prepare_specserve(True), _specserve_command("none")),
+    "specserve-gguf": Engine(
+        "specserve GGUF", _prepare_specserve(False), _specserve_command("gguf")
+    ),
     "vllm-cpu": Engine("vLLM-CPU", _prepare_vllm, _vllm_command),
     "llama.cpp-bf16": Engine("llama.cpp bf16", _prepare_llama_cpp("bf16"), _llama_cpp_command),
     "llama.cpp-q4_k_m": Engine(

@@ -119,8 +119,9 @@ def run_specserve(prompts: dict[str, list[int]], tokens: int, ks: dict[str, int]
 def run_transformers(prompts: dict[str, list[int]], tokens: dict[str, int], k: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(resolve_model(TARGET), dtype=torch.bfloat16)
-    draft = AutoModelForCausalLM.from_pretrained(resolve_model(DRAFT), dtype=torch.bfloat16)
+    target_dir, draft_dir = resolve_model(TARGET, dense=True), resolve_model(DRAFT, dense=True)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16)
     variants = {
         "hf_greedy": {},
         "hf_prompt_lookup": {"prompt_lookup_num_tokens": k},

@@ -16,6 +16,7 @@ from dataclasses import replace
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels import cpu_kernels
 from engine.loading import load_draft_runner, maybe_load_tokenizer
 from engine.memory import log_memory, plan_for, release_freed_heap
 from engine.metrics import EngineMetrics
@@ -38,6 +39,7 @@ from engine.speculation.speculator import (
 )
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
 from engine.speculation.step_time import attention_reads
+from engine.startup import startup_phase
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.state import GrammarState
 from engine.tokenizer import eos_token_ids
@@ -51,9 +53,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_path = resolve_model(config.model)
-        self.model_config = ModelConfig.from_path(model_path)
-        self.tokenizer = maybe_load_tokenizer(config.tokenizer or model_path)
+        # Each phase logs its time (engine.startup): "startup: load weights <model> 12.3 s".
+        with startup_phase(f"model files {config.model}"):
+            model_path = resolve_model(config.model)
+        with startup_phase("config and tokenizer"):
+            self.model_config = ModelConfig.from_path(model_path)
+            self.tokenizer = maybe_load_tokenizer(config.tokenizer or model_path)
         self.eos_token_ids = self.model_config.eos_token_ids
         if self.tokenizer is not None:
             self.eos_token_ids = tuple(
@@ -62,9 +67,12 @@ class LLMEngine:
             self.model_config = replace(self.model_config, eos_token_ids=self.eos_token_ids)
         spec_config = config.speculative_config
         assert spec_config is None or isinstance(spec_config, SpeculativeConfig)
+        if config.torch_device().type == "cpu":
+            cpu_kernels()  # now, if not yet: "load weights" then times the weights alone
         # Every model's weights first, then one KV budget measured after them for the KV of all.
         max_positions = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, max_positions)
+        with startup_phase(f"load weights {model_path.name}"):
+            self.runner = ModelRunner(config, self.model_config, max_positions)
         self.draft_runner = load_draft_runner(
             config, spec_config, self.runner, max_positions, self.tokenizer
         )
@@ -83,10 +91,11 @@ class LLMEngine:
                 f"({num_blocks} blocks of {config.block_size} tokens; budget from {plan.source})."
             )
         self.max_model_len = max_len
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.draft_runner is not None:
-            # The draft's multi-token forwards are catch-up prompt chunks: decode graphs only.
-            self.draft_runner.allocate_kv_cache(num_blocks, max_query_len=1)
+        with startup_phase("KV cache"):  # with the CUDA graphs' capture on a GPU
+            self.runner.allocate_kv_cache(num_blocks)
+            if self.draft_runner is not None:
+                # The draft's multi-token forwards are catch-up prompt chunks: decode graphs only.
+                self.draft_runner.allocate_kv_cache(num_blocks, max_query_len=1)
         log_memory(plan, runners, config.block_size)
         release_freed_heap()  # what loading freed, out of the resident set
         self.block_manager = BlockManager(

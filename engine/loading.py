@@ -13,6 +13,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.models.bundled import resolve_model
 from engine.runner import ModelRunner
 from engine.speculation.config import SpeculativeConfig
+from engine.startup import startup_phase
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,10 +31,13 @@ def load_draft_runner(
     if spec is None or "draft_model" not in spec.methods:
         return None
     assert spec.model is not None
-    draft_config = ModelConfig.from_path(resolve_model(spec.model))
+    with startup_phase(f"model files {spec.model}"):
+        draft_path = resolve_model(spec.model)
+    draft_config = ModelConfig.from_path(draft_path)
     check_draft_vocabulary(draft_config.vocab_size, target.model_config.vocab_size, tokenizer)
     dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
-    return ModelRunner(config, draft_config, max_positions, dtype)
+    with startup_phase(f"load weights {draft_path.name} (draft)"):
+        return ModelRunner(config, draft_config, max_positions, dtype)
 
 
 def check_draft_vocabulary(draft_vocab: int, target_vocab: int, tokenizer: Any) -> None:

@@ -7,6 +7,8 @@ error event and [DONE]: the CLI starts that drain when the signal arrives (`begi
 while uvicorn still waits for the responses (its own deadline is later, `SHUTDOWN_GRACE_S`), and
 the lifespan's end finishes it.
 Meanwhile a background task logs the engine's stats every `log_stats_interval` seconds.
+Start-up logs one line per phase with its time (engine.startup), the last "ready in X s", counted
+from `started` (the CLI's start).
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
 of `scope["path"]`, so nothing rebuilt from the Host header decides what is public), and the
@@ -35,6 +37,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.engine import LLMEngine
 from engine.generation_defaults import GenerationDefaults, load_generation_defaults
+from engine.startup import log_ready, startup_phase
 from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
@@ -64,9 +67,12 @@ from server.tool_calls import model_tool_parser
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, async_engine: AsyncEngine | None = None, started: float | None = None
+) -> FastAPI:
     """The app serving `settings`. Given an (unstarted) `async_engine`, it serves that one
-    instead of loading `settings.model`; either way the lifespan starts and stops it."""
+    instead of loading `settings.model`; either way the lifespan starts and stops it. `started`:
+    time.monotonic() when start-up began, which "ready in" counts from (default: now)."""
     app = FastAPI(
         title="specserve",
         version=version(),
@@ -89,6 +95,7 @@ def create_app(settings: Settings, async_engine: AsyncEngine | None = None) -> F
     state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
     state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
     state.created = int(time.time())
+    state.started = time.monotonic() if started is None else started
     state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
     state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
     state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
@@ -120,6 +127,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     loader: asyncio.Future[None] | None = None
     if state.given_engine is not None:
         _serve(app, state.given_engine)
+        log_ready(state.started, f"serving {state.settings.model_name!r}")
     else:
         loader = asyncio.ensure_future(_load_engine(app))
     interval = state.settings.log_stats_interval
@@ -164,7 +172,9 @@ async def _load_engine(app: FastAPI) -> None:
     logger.info("loading %s", settings.model)
     try:
         engine = await _in_own_thread(LLMEngine, settings.engine_config())
-        _serve(app, AsyncEngine(engine, settings.max_queue))
+        with startup_phase("server"):
+            _serve(app, AsyncEngine(engine, settings.max_queue))
+        log_ready(app.state.started, f"serving {settings.model} as {settings.model_name!r}")
     except Exception as exc:
         logger.exception("the engine failed to load")
         app.state.load_error = exc
@@ -235,7 +245,6 @@ def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
         app.state.grammar_worker = GrammarWorker(async_engine.engine.grammars)
     async_engine.start()
     app.state.async_engine = async_engine
-    logger.info("serving %s as %r", app.state.settings.model, app.state.settings.model_name)
 
 
 # --------------------------------------------------------------------------- errors

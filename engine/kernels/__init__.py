@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from engine.startup import startup_phase
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
@@ -88,7 +90,8 @@ def cpu_kernels() -> Any | None:
         reason = unavailable_reason()
         if reason is None:
             try:
-                module = _build()
+                with startup_phase("CPU kernels"):  # a minute on a first start, then loaded
+                    module = _build()
             except Exception as e:  # no compiler, no ninja, a failed build: torch's kernels
                 reason = f"the build failed ({type(e).__name__}: {str(e)[:300]})"
         if module is None:
@@ -143,6 +146,9 @@ def _build() -> Any:
     key = build_key()
     build_dir = build_directory(cache_root(), _SOURCES[0].parent)
     build_dir.mkdir(parents=True, exist_ok=True)
+    name = f"specserve_cpu_kernels_{key}"
+    if not (build_dir / f"{name}.so").exists():
+        logger.info("building the CPU kernels in %s (about a minute, once)", build_dir)
     start = time.perf_counter()
     # torch's builder marks a build in progress with a plain `lock` file that a killed process
     # leaves behind, and then every later start waits on it forever. Builds are serialised here
@@ -151,7 +157,7 @@ def _build() -> Any:
         fcntl.flock(held, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         module = load(
-            name=f"specserve_cpu_kernels_{key}",
+            name=name,
             sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             build_directory=str(build_dir),

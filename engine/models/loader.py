@@ -6,21 +6,25 @@ provide is an error, never a silently random weight. With GGUF-quantised weights
 (engine.models.gguf) the linears and the embedding they cover are built as `QuantLinear` /
 `QuantEmbedding` before materialising, so their dense weights are never allocated, and take the
 file's blocks; the checkpoint fills the rest.
+
+A directory converted from a GGUF file may hold no dense checkpoint (engine.models.bundled
+writes none until a dense path needs it): serving the file's blocks, the rest then comes from the
+file itself (`read_dense`); serving dense weights, the checkpoint is made here, on first use.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.gguf import QuantTensor
+from engine.models.bundled import ensure_dense_checkpoint
+from engine.models.gguf import QuantTensor, gguf_file, read_dense
 from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -36,11 +40,29 @@ _FUSED = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
+def _checkpoint_tensors(
+    cfg: ModelConfig, wanted: Callable[[str], bool], from_gguf: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors that `wanted` accepts, by name. From the directory's safetensors;
+    where it has none but was converted from a GGUF file, from that file when its blocks serve
+    (`from_gguf`), else from the dense checkpoint converted now (once, minutes)."""
+    files = sorted(cfg.path.glob("*.safetensors"))
+    source = gguf_file(cfg.path)
+    if not files and source is not None and from_gguf:
+        dtype = getattr(torch, cfg.torch_dtype, None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+        yield from read_dense(source, wanted, cfg.num_heads, cfg.num_kv_heads, dtype)
+        return
+    if not files and source is not None:
+        ensure_dense_checkpoint(cfg.path)
+        files = sorted(cfg.path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}.")
-    return files
+        raise FileNotFoundError(f"no *.safetensors files in {cfg.path}.")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 def _shard_bounds(cfg: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
@@ -144,26 +166,20 @@ def load_model(
     used = {checkpoint for parts in modules.values() for _, checkpoint in parts}
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
-    for file in _safetensors_files(cfg.path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = _target(cfg, name)
-                if target is None or name in used:
-                    continue
-                ours, rows = target
-                if ours not in params:
-                    raise KeyError(
-                        f"checkpoint tensor {name!r} has no place in the model ({ours})."
-                    )
-                param = params[ours]
-                dst = param.data if rows is None else param.data[rows[0] : rows[1]]
-                src = f.get_tensor(name)
-                if src.shape != dst.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}."
-                    )
-                dst.copy_(src.to(dtype))
-                filled[ours] += src.shape[0] if rows is not None else dst.shape[0]
+
+    def wanted(name: str) -> bool:
+        return name not in used and _target(cfg, name) is not None
+
+    for name, src in _checkpoint_tensors(cfg, wanted, from_gguf=bool(quantized)):
+        ours, rows = _target(cfg, name) or (name, None)
+        if ours not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in the model ({ours}).")
+        param = params[ours]
+        dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+        if src.shape != dst.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}.")
+        dst.copy_(src.to(dtype))
+        filled[ours] += src.shape[0] if rows is not None else dst.shape[0]
     missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint {cfg.path} does not provide: {', '.join(missing[:8])}.")

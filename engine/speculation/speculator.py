@@ -26,6 +26,7 @@ from engine.speculation.policy import SpeculationPolicy
 from engine.speculation.proposer import Draft, LookupProposer, Proposer, make_proposer
 from engine.speculation.stats import StepStats, VerifyResult
 from engine.speculation.step_time import StepTimeModel
+from engine.startup import startup_phase
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -182,22 +183,24 @@ def _make_policy(
     mode = config.mode if config else "always"
     draft_seconds = catch_up_per_token = 0.0
     if mode == "auto" and chain:
-        step_model = load_or_calibrate(
-            engine.runner,
-            engine.block_manager,
-            engine.model_config.path,
-            engine.config.max_num_batched_tokens,
-            engine.max_model_len,
-        )
+        with startup_phase("calibration"):  # the step-time model, or its cached fit
+            step_model = load_or_calibrate(
+                engine.runner,
+                engine.block_manager,
+                engine.model_config.path,
+                engine.config.max_num_batched_tokens,
+                engine.max_model_len,
+            )
         draft_runner = next(
             (getattr(p, "runner", None) for p in chain if p.name == "draft_model"), None
         )
         if draft_runner is not None:
-            time_forward(draft_runner, engine.block_manager, 1, 0, repeats=1)  # warm-up
-            draft_seconds = time_forward(draft_runner, engine.block_manager, 1, 0, repeats=2)
-            n = min(64, engine.max_model_len)
-            catch_up = time_forward(draft_runner, engine.block_manager, n, 0, repeats=1)
-            catch_up_per_token = max(0.0, catch_up - draft_seconds) / max(1, n - 1)
+            with startup_phase("draft timing"):
+                time_forward(draft_runner, engine.block_manager, 1, 0, repeats=1)  # warm-up
+                draft_seconds = time_forward(draft_runner, engine.block_manager, 1, 0, repeats=2)
+                n = min(64, engine.max_model_len)
+                catch_up = time_forward(draft_runner, engine.block_manager, n, 0, repeats=1)
+                catch_up_per_token = max(0.0, catch_up - draft_seconds) / max(1, n - 1)
     else:
         step_model = StepTimeModel([1], [1.0], rate=0.0)
     return SpeculationPolicy(

@@ -111,7 +111,13 @@ def test_ngram_speculation_on_real_text_is_lossless():
     messages = [{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}]
     kwargs = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256)
     plain = LLM(MODEL, **kwargs)
-    spec = LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 5}, **kwargs)
+    spec = LLM(
+        MODEL,
+        # "always": every decode step verifies 5 drafts (auto would first time its calibration
+        # grid, most of this test's time, and may then judge drafts not worth their verify).
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5, "mode": "always"},
+        **kwargs,
+    )
     for params in (
         SamplingParams(temperature=0, max_tokens=40),
         SamplingParams(temperature=0, max_tokens=40, stop=["lazy"]),

@@ -1,4 +1,5 @@
-"""Model resolution: bundled parts assembled and verified, GGUF conversion cached once."""
+"""Model resolution: bundled parts assembled and verified, GGUF conversion cached once, the dense
+checkpoint written only on first use."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import LLM, SamplingParams, kernels
 from engine.models import bundled, packages
 from engine.models.packages import BundledModel, ChecksumError, PackagePart
 
@@ -62,12 +64,17 @@ def fake_converter(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, tuple]]
         calls.append((gguf_path.read_bytes(), tuple(eos_token_ids or ())))
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", convert)
+    monkeypatch.setattr(bundled, "write_model_files", convert)
     return calls
 
 
 def _no_convert(*args, **kwargs) -> None:
     raise AssertionError("the converter must not run for a cached model")
+
+
+def _forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bundled, "write_model_files", _no_convert)
+    monkeypatch.setattr(bundled, "write_dense_checkpoint", _no_convert)
 
 
 def test_assemble_concatenates_parts_in_order_and_checks_sha(fake_site: Path, tmp_path: Path):
@@ -125,7 +132,7 @@ def test_wrong_installed_version_is_reported(monkeypatch: pytest.MonkeyPatch):
 
 def test_uninstalled_bundled_name_fails_before_any_work(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(packages, "_installed_version", lambda pkg: None)
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", _no_convert)
+    _forbid_conversion(monkeypatch)
     with pytest.raises(ValueError) as info:
         bundled.resolve_model("qwen2.5-coder-1.5b-instruct", cache_dir=tmp_path)
     message = str(info.value)
@@ -151,7 +158,7 @@ def test_resolve_bundled_converts_once_then_uses_cache(
     # The assembled GGUF and the build directory are gone; only the lock and the model remain.
     assert sorted(p.name for p in out.parent.iterdir()) == [".fake-model.lock", "fake-model"]
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", _no_convert)
+    _forbid_conversion(monkeypatch)
     assert bundled.resolve_model("fake-model", cache_dir=tmp_path) == out
 
 
@@ -181,7 +188,7 @@ def test_failed_build_leaves_no_cache(fake_site: Path, tmp_path: Path, monkeypat
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("conversion failed")
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", broken)
+    monkeypatch.setattr(bundled, "write_model_files", broken)
     with pytest.raises(RuntimeError, match="conversion failed"):
         bundled._resolve_bundled(model, tmp_path)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".fake-model.lock"]
@@ -197,7 +204,7 @@ def test_concurrent_resolves_convert_once(fake_site: Path, tmp_path: Path, monke
         time.sleep(0.3)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", slow)
+    monkeypatch.setattr(bundled, "write_model_files", slow)
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(bundled._resolve_bundled(model, tmp_path)))
@@ -211,12 +218,124 @@ def test_concurrent_resolves_convert_once(fake_site: Path, tmp_path: Path, monke
     assert results == [tmp_path / "models" / "fake-model"] * 3
 
 
+def test_a_version_2_cache_stays_valid_and_older_ones_are_rebuilt(
+    fake_site: Path, tmp_path: Path, fake_converter
+):
+    """Version 2 directories always hold the dense checkpoint: still valid. Version 1 ones lack
+    model.gguf: rebuilt."""
+    parts, whole = _make_fake_packages(fake_site, [b"GGUF-v2"])
+    model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
+    target = tmp_path / "models" / "fake-model"
+    target.mkdir(parents=True)
+    (target / bundled.DENSE_NAME).write_bytes(b"dense")
+    marker = {"source": "bundled:fake-model", "sha256": model.sha256, "format": 2}
+    (target / bundled.MARKER_NAME).write_text(json.dumps(marker))
+    assert bundled._resolve_bundled(model, tmp_path) == target
+    assert fake_converter == [] and (target / bundled.DENSE_NAME).read_bytes() == b"dense"
+
+    (target / bundled.MARKER_NAME).write_text(json.dumps({**marker, "format": 1}))
+    bundled._resolve_bundled(model, tmp_path)
+    assert len(fake_converter) == 1 and not (target / bundled.DENSE_NAME).exists()
+    written = json.loads((target / bundled.MARKER_NAME).read_text())
+    assert written["format"] == bundled.CACHE_FORMAT_VERSION == 3
+
+
+def test_the_dense_checkpoint_is_written_once_on_first_use(
+    fake_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_converter
+):
+    parts, whole = _make_fake_packages(fake_site, [b"GGUF-head", b"-tail"])
+    model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
+    monkeypatch.setattr(bundled, "BUNDLED_MODELS", {model.name: model})
+    calls: list[bytes] = []
+
+    def dequantize(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path.read_bytes())
+        time.sleep(0.3)
+        (out_dir / bundled.DENSE_NAME).write_bytes(b"dense")
+
+    monkeypatch.setattr(bundled, "write_dense_checkpoint", dequantize)
+    out = bundled.resolve_model("fake-model", cache_dir=tmp_path)
+    assert (out / "model.gguf").read_bytes() == whole
+    assert not bundled.has_dense_checkpoint(out) and calls == []  # a GGUF path needs none
+
+    results: list[Path] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                bundled.resolve_model("fake-model", cache_dir=tmp_path, dense=True)
+            )
+        )
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [out] * 3 and calls == [whole]
+    assert (out / bundled.DENSE_NAME).read_bytes() == b"dense"
+    assert sorted(p.name for p in out.parent.iterdir()) == [".fake-model.lock", "fake-model"]
+    marker = json.loads((out / bundled.MARKER_NAME).read_text())
+    assert marker["format"] == bundled.CACHE_FORMAT_VERSION  # the directory stays complete
+    _forbid_conversion(monkeypatch)
+    assert bundled.resolve_model("fake-model", cache_dir=tmp_path, dense=True) == out
+
+
+def test_a_failed_dense_conversion_leaves_no_checkpoint(
+    fake_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_converter
+):
+    parts, whole = _make_fake_packages(fake_site, [b"GGUF"])
+    model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
+    out = bundled._resolve_bundled(model, tmp_path)
+
+    def broken(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / bundled.DENSE_NAME).write_bytes(b"half")
+        raise RuntimeError("out of disk")
+
+    monkeypatch.setattr(bundled, "write_dense_checkpoint", broken)
+    with pytest.raises(RuntimeError, match="out of disk"):
+        bundled.ensure_dense_checkpoint(out)
+    assert not bundled.has_dense_checkpoint(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".fake-model.lock", "fake-model"]
+    # A directory without a GGUF file is left alone: nothing to convert, no lock taken.
+    plain = tmp_path / "elsewhere" / "plain"
+    plain.mkdir(parents=True)
+    (plain / "config.json").write_text("{}")
+    bundled.ensure_dense_checkpoint(plain)
+    assert [p.name for p in plain.parent.iterdir()] == ["plain"]
+    assert [p.name for p in plain.iterdir()] == ["config.json"]
+
+
+def test_install_model_writes_dense_weights_only_when_asked(
+    fake_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_converter
+):
+    from server.cli import main
+
+    parts, whole = _make_fake_packages(fake_site, [b"GGUF"])
+    model = _fake_model(parts, hashlib.sha256(whole).hexdigest())
+    monkeypatch.setattr(bundled, "BUNDLED_MODELS", {model.name: model})
+    monkeypatch.setattr(packages, "install_packages", lambda model: None)
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def dequantize(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path)
+        (out_dir / bundled.DENSE_NAME).write_bytes(b"dense")
+
+    monkeypatch.setattr(bundled, "write_dense_checkpoint", dequantize)
+    assert main(["install-model", "fake-model", "--convert"]) == 0
+    out = tmp_path / "cache" / "models" / "fake-model"
+    assert len(fake_converter) == 1 and calls == [] and not bundled.has_dense_checkpoint(out)
+    assert main(["install-model", "fake-model", "--dense"]) == 0
+    assert len(fake_converter) == 1 and calls == [out / "model.gguf"]
+    assert (out / bundled.DENSE_NAME).read_bytes() == b"dense"
+
+
 # ---------------------------------------------------------------------------------------------
 # Paths, names and the registry.
 
 
 def test_hf_directory_is_returned_as_is(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", _no_convert)
+    _forbid_conversion(monkeypatch)
     (tmp_path / "config.json").write_text("{}")
     assert bundled.resolve_model(str(tmp_path)) == tmp_path
     empty = tmp_path / "empty"
@@ -328,6 +447,9 @@ def test_tiny_gguf_converts_to_a_loadable_hf_dir_once(tmp_path: Path, monkeypatc
     out = bundled.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
     assert out.parent == tmp_path / "cache" / "gguf" and out.name.startswith("tiny-")
     assert (out / bundled.MARKER_NAME).is_file()
+    assert (out / "model.gguf").resolve() == gguf_path
+    assert not list(out.glob("*.safetensors"))  # no dense weights until a dense path needs them
+    assert bundled.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", dense=True) == out
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -357,5 +479,39 @@ def test_tiny_gguf_converts_to_a_loadable_hf_dir_once(tmp_path: Path, monkeypatc
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert torch.equal(model.model.norm.weight, expected("output_norm"))
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", _no_convert)
-    assert bundled.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache") == out
+    _forbid_conversion(monkeypatch)
+    assert bundled.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", dense=True) == out
+
+
+@pytest.mark.skipif(
+    kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
+)
+def test_gguf_blocks_serve_the_same_without_the_dense_checkpoint(tmp_path: Path):
+    """Without model.safetensors the norms and the weights in formats the kernels do not read
+    (here float32 q/k, in llama.cpp's row order) come from the GGUF file, as the conversion would
+    have stored them: the model and its output equal those loaded beside the dense checkpoint,
+    which the first dense load (quantization none) writes."""
+    gguf_path = tmp_path / "tiny.gguf"
+    _write_tiny_llama_gguf(gguf_path)
+    out = bundled.resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def load(quantization: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+        llm = LLM(str(out), dtype="float32", quantization=quantization, num_kv_blocks=16)
+        assert llm.engine.quantization == ("none" if quantization == "none" else "gguf (Q8_0)")
+        model = llm.engine.runner.model
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        tokens = llm.generate([[3, 4, 5, 6, 7]], params)[0].outputs[0].token_ids
+        return weights, tokens
+
+    from_file, tokens = load("gguf")
+    assert "layers.0.mlp.down_proj.weight" not in from_file  # the Q8_0 blocks, not a parameter
+    assert "layers.0.self_attn.qkv_proj.weight" in from_file  # float32 in the file: dense
+    assert not any(out.glob("*.safetensors"))
+    load("none")
+    assert any(out.glob("*.safetensors"))  # written by the dense load, on first use
+    beside_dense, tokens_beside_dense = load("gguf")
+    assert tokens_beside_dense == tokens
+    assert beside_dense.keys() == from_file.keys()
+    for name, value in from_file.items():
+        assert torch.equal(value, beside_dense[name]), name
