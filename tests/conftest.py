@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 # Tests build throwaway models: their step-time calibrations are not worth caching in ~/.cache.
 os.environ.setdefault("SPECSERVE_CALIBRATION_CACHE", "0")
 
+# `make test` runs the suite in two pytest-xdist workers on CI's two cores: each worker's torch
+# keeps to one thread, since two OpenMP teams spin-waiting on the same two cores stall each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 TINY_VOCAB = 320
 
 

@@ -42,11 +42,17 @@ def test_an_exception_reaches_the_awaiting_coroutine():
     assert _wait_gone("specserve-loader")
 
 
-@pytest.mark.skipif(
-    not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
-    reason="needs Linux /proc and more than one torch thread",
-)
-def test_parallel_work_leaves_no_worker_threads_behind():
+@pytest.fixture
+def two_threads():
+    # Parallel work needs a team; `make test`'s workers keep torch to one thread each.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_parallel_work_leaves_no_worker_threads_behind(two_threads):
     """Parallel torch work on the loading thread starts OpenMP workers for that thread; they
     must be gone once loading is over (left alive, they make OpenMP stop spin-waiting in the
     engine thread's team, and every operator then sleeps and wakes its workers)."""
