@@ -111,31 +111,39 @@ class GraphableBackend(Protocol):
 
 
 class CudaCaptureDevice:
-    """torch.cuda graphs: one memory pool and one side stream shared by every capture."""
+    """torch.cuda graphs: one memory pool and one side stream shared by every capture.
+
+    Everything names `device`: events, streams and captures otherwise act on the calling
+    thread's current device, cuda:0 on the engine's threads whatever device it runs on."""
 
     def __init__(self, device: torch.device, num_warmups: int = 2) -> None:
+        self._device = device
         self._num_warmups = num_warmups
         self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)
-        self._copied = torch.cuda.Event()
+        self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device):
+            self._copied = torch.cuda.Event()
         self._has_copies = False
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
         # Warm up on the capture stream: lazy set-up (cuBLAS handles and workspaces, the first
         # launch of a kernel) must not happen during the capture. The inputs were copied on the
         # current stream, so the side stream waits for them.
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for _ in range(self._num_warmups):
-                fn()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            out = fn()
+        with torch.cuda.device(self._device):
+            current = torch.cuda.current_stream(self._device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                for _ in range(self._num_warmups):
+                    fn()
+            current.wait_stream(self._stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                out = fn()
         return graph, out
 
     def copies_queued(self) -> None:
-        self._copied.record()
+        # The copies were queued on the device's current stream (the fixed tensors' device).
+        self._copied.record(torch.cuda.current_stream(self._device))
         self._has_copies = True
 
     def wait_copies(self) -> None:

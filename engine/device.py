@@ -60,12 +60,15 @@ class Device:
         return time.perf_counter()
 
     def mark(self) -> Any:
-        """A point in the device's work: a CUDA event recorded in the current stream (it
-        completes when the work queued before it does), or the host clock on CPU."""
+        """A point in the device's work: a CUDA event recorded in this device's current stream
+        (it completes when the work queued before it does), or the host clock on CPU. The
+        device is named, not taken from the calling thread (whose current device is cuda:0
+        unless set: the engine's threads never set it)."""
         if not self.is_cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        with torch.cuda.device(self.torch):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.torch))
         return event
 
     def elapsed(self, start: Any, end: Any) -> float:

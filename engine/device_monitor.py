@@ -1,9 +1,16 @@
 """How busy the device is, for the `spec_disable_utilization` operator limit.
 
-On a GPU, NVML's utilization (the share of the last sample period a kernel ran), read at most every
-`interval` seconds through nvidia-ml-py (`pynvml`, imported lazily). On CPU nothing reports a
-useful figure, so the calibrated step-time model stands in: a step's utilization is its query
+The limit means "the step is compute-bound: drafts would no longer ride for free". On every
+device that is judged from the calibrated step-time model: a step's utilization is its query
 tokens over the compute-bound knee (1.0 once the step would be compute-bound without drafts).
+
+NVML does not answer that question. Its "gpu" utilization is the share of the last sample period
+during which any kernel ran: an engine that steps continuously reads ~100% at batch 1 as at batch
+64, so the limit turned speculation off at every load. SM activity (GPM, Hopper and later) is no
+better: a memory-bound decode GEMV keeps every SM occupied. And on a MIG instance the query raises
+NOT_SUPPORTED. `NvmlMonitor` stays as a reader of that kernel-time share for checks and reports:
+it queries once when built (a device that does not answer fails there, at start) and never
+raises afterwards.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ class DeviceMonitor(Protocol):
 
 
 class KneeMonitor:
-    """CPU: step tokens over the compute-bound knee of the step-time model."""
+    """Step tokens over the compute-bound knee of the step-time model (CPU and GPU)."""
 
     def __init__(self, step_model: Any) -> None:
         self.step_model = step_model  # anything with a `knee` attribute (StepTimeModel)
@@ -53,36 +60,47 @@ def nvml_device(cuda_index: int, environ: Mapping[str, str] | None = None) -> in
 
 
 class NvmlMonitor:
-    """GPU: NVML utilization of one device (torch's numbering), cached for `interval` seconds."""
+    """NVML's kernel-time utilization of one device (torch's numbering), cached for `interval`
+    seconds. Not a compute-bound signal (see the module docstring), so `make_monitor` never
+    picks it. Built: NVML answered once (the probe); after that `utilization` never raises."""
 
     def __init__(self, device_index: int = 0, interval: float = 0.1) -> None:
         import pynvml  # nvidia-ml-py, part of the gpu extra
 
-        pynvml.nvmlInit()
         self._nvml = pynvml
-        name = nvml_device(device_index)
-        if isinstance(name, int):
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(name)
-        else:
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+        try:
+            pynvml.nvmlInit()
+            name = nvml_device(device_index)
+            if isinstance(name, int):
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(name)
+            else:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+            rates = pynvml.nvmlDeviceGetUtilizationRates(self._handle)  # the probe
+        except Exception as e:  # no driver access, or a MIG instance (NOT_SUPPORTED)
+            raise RuntimeError(f"NVML utilization of cuda:{device_index}: {e}") from e
         self.interval = interval
-        self._value = 0.0
-        self._read_at = -float("inf")
+        self._value = rates.gpu / 100.0
+        self._read_at = time.monotonic()
+        self._is_lost = False
 
     def utilization(self, num_step_tokens: int) -> float:
         now = time.monotonic()
-        if now - self._read_at >= self.interval:
-            rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+        if not self._is_lost and now - self._read_at >= self.interval:
+            try:
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            except Exception as e:  # never inside a step: keep the last reading, stop asking
+                self._is_lost = True
+                logger.warning("NVML utilization query failed (%s); keeping %.2f", e, self._value)
+                return self._value
             self._value = rates.gpu / 100.0
             self._read_at = now
         return self._value
 
 
 def make_monitor(device: torch.device, step_model: Any) -> DeviceMonitor:
-    """NVML on CUDA devices when it loads, the knee stand-in otherwise."""
+    """The step-time knee on every device: NVML's kernel-time share would read every stepping
+    engine as busy (module docstring). Nothing here queries the device, so nothing can fail in
+    a step."""
     if device.type == "cuda":
-        try:
-            return NvmlMonitor(device.index or 0)
-        except Exception as e:  # no pynvml or no driver access: fall back, say why
-            logger.warning("NVML unavailable (%s); utilization from the step-time knee", e)
+        logger.info("spec_disable_utilization on %s: step tokens over the step-time knee", device)
     return KneeMonitor(step_model)

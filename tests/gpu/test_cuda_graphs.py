@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.attention import flash_attn_available
 from engine.cuda_graphs import NOT_CAPTURED
 from engine.runner import SeqChunk
+from tests.gpu.node import FLASH_BF16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,8 +31,12 @@ NGRAM = {
 }
 
 
-def _llm(model, **kwargs) -> LLM:
-    return LLM(str(model), dtype="bfloat16", device="cuda", max_num_seqs=4, **kwargs)
+def _llm(model, **overrides) -> LLM:
+    # A small explicit KV pool (32 pages of 256 tokens): an unsized pool takes ~0.9 of the card,
+    # and the second engine of a test could then not hold one block. max_model_len: the tiny
+    # model's 512 positions.
+    kwargs = FLASH_BF16.engine_kwargs(torch.device("cuda"), max_model_len=512, **overrides)
+    return LLM(str(model), max_num_seqs=4, **kwargs)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
