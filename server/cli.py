@@ -195,11 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # "ready in" counts from here
     args = build_parser().parse_args(argv)
-    settings = load_cli_settings(args.config, args) if args.command == "serve" else None
-    level = args.log_level or (settings.log_level if settings else "info")
+    # Logging first: resolving the settings may build the CPU kernels (minutes the first time),
+    # and that phase must say so rather than leave the terminal silent.
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=(args.log_level or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    settings = load_cli_settings(args.config, args) if args.command == "serve" else None
+    if settings is not None and not args.log_level:  # the config file's level, flags first
+        logging.getLogger().setLevel(settings.log_level.upper())
     if args.command == "install-model":
         return _install_models(args)
     if settings is not None:

@@ -36,7 +36,8 @@ class SpeculativeConfig:
     # request, "auto" grants each request the k that maximises the step's predicted goodput.
     mode: str = "auto"
     # Operator limits (None: off): no speculation while this many requests run, or while the
-    # device is at least this busy (0 to 1; NVML on GPU, the calibrated knee on CPU).
+    # device is at least this busy (0 to 1: the step's tokens over the calibrated compute-bound
+    # knee, on every device; needs mode auto's calibration).
     spec_disable_batch_size: int | None = None
     spec_disable_utilization: float | None = None
 

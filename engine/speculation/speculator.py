@@ -14,6 +14,7 @@ under a grammar is cut where the grammar forbids a token (the verifier would rej
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 # Draft length for predicted outputs when no speculative config sets one: a prediction is
 # usually long and right, and verifying a token costs nothing while decode is memory-bound.
 DEFAULT_PREDICTION_TOKENS = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -203,14 +206,25 @@ def _make_policy(
                 catch_up_per_token = max(0.0, catch_up - draft_seconds) / max(1, n - 1)
     else:
         step_model = StepTimeModel([1], [1.0], rate=0.0)
+    is_calibrated = mode == "auto" and bool(chain)
+    limit = config.spec_disable_utilization if config else None
+    if limit is not None and not is_calibrated:
+        # The device's load is judged against the calibrated knee; a placeholder model's knee of
+        # 1 token would read every step as saturated and switch speculation off for good.
+        logger.warning(
+            "spec_disable_utilization %.2f is not applied: it needs mode auto's calibration "
+            "(mode is %s)",
+            limit,
+            mode,
+        )
     return SpeculationPolicy(
         mode,
         num_tokens,
         step_model,
-        make_monitor(engine.runner.device.torch, step_model),
+        make_monitor(engine.runner.device.torch, step_model) if is_calibrated else None,
         config.spec_disable_batch_size if config else None,
         config.spec_disable_utilization if config else None,
         draft_seconds,
         catch_up_per_token,
-        is_calibrated=mode == "auto" and bool(chain),
+        is_calibrated=is_calibrated,
     )
