@@ -185,13 +185,8 @@ class ToolParser(ABC):
         return CallStream(self.scanner())
 
 
-class FirstCallParser(ToolParser):
-    """`parallel_tool_calls: false` where no grammar enforces it (tool_choice "auto"): the
-    model's output read through `inner`, keeping its first call only, whole and streamed. The
-    later calls are read (so the whitespace around them is dropped as around any call) and then
-    left out."""
-
-    name = "first-call"
+class _OneCallParser(ToolParser):
+    """A parser read through `inner` whose grammar, where one is compiled, allows one call."""
 
     def __init__(self, inner: ToolParser) -> None:
         self.inner = inner
@@ -203,6 +198,15 @@ class FirstCallParser(ToolParser):
         self, functions: Sequence[FunctionSpec], parallel_tool_calls: bool
     ) -> dict[str, Any]:
         return self.inner._structural_tag(functions, False)
+
+
+class FirstCallParser(_OneCallParser):
+    """`parallel_tool_calls: false` where no grammar enforces it (tool_choice "auto"): the
+    model's output read through `inner`, keeping its first call only, whole and streamed. The
+    later calls are read (so the whitespace around them is dropped as around any call) and then
+    left out."""
+
+    name = "first-call"
 
     def parse(self, text: str, is_cut: bool = False) -> ParsedMessage:
         message = self.inner.parse(text, is_cut)
@@ -212,24 +216,13 @@ class FirstCallParser(ToolParser):
         return FirstCallStream(self.scanner())
 
 
-class NamedCallParser(ToolParser):
+class NamedCallParser(_OneCallParser):
     """`tool_choice` naming a function: the output read through `inner`, finished with "stop"
     rather than "tool_calls", as OpenAI finishes a call it was told to make (the grammar makes
     it exactly one call)."""
 
     name = "named-call"
     calls_finish_reason = "stop"
-
-    def __init__(self, inner: ToolParser) -> None:
-        self.inner = inner
-
-    def scanner(self) -> CallScanner:
-        return self.inner.scanner()
-
-    def _structural_tag(
-        self, functions: Sequence[FunctionSpec], parallel_tool_calls: bool
-    ) -> dict[str, Any]:
-        return self.inner._structural_tag(functions, False)
 
 
 def read_message(events: Sequence[Event]) -> ParsedMessage:

