@@ -10,14 +10,15 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 .PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers \
 	bench-reliability bench-grammar bench-structured clean
 
+# The venv: torch's CPU build, the project with its test and dev extras, SmolLM2 with the dense
+# checkpoint the tests read, and our CPU kernels compiled once (a minute or more on 2 cores)
+# rather than inside the first test or the first start; where they cannot build, torch's serve.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	$(VENV)/bin/specserve install-model --convert --dense smollm2-135m-instruct
-	# Our CPU kernels compile here once (a minute or more on 2 cores), not inside the first test
-	# or the first start; where they cannot build, this logs why and torch's kernels serve.
 	$(PY) -c "from engine.kernels import cpu_kernels; cpu_kernels()"
 	touch $@
 
