@@ -142,9 +142,10 @@ async def chat_completions(request: Request) -> Response:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_tokens(request, engine, params, [len(prompt_ids)], given)
-    prediction = prediction_of(req)
-    if prediction:
-        (prediction,) = await tokenizer.texts([prediction])
+    predicted_text = prediction_of(req)
+    prediction = None
+    if predicted_text:
+        (prediction,) = await tokenizer.texts([predicted_text])
     meta = ResponseMeta.new("chatcmpl", state.settings.model_name)
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)

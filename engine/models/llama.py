@@ -253,11 +253,15 @@ class QuantLinear(nn.Module):
         self.qtypes = tuple(run.qtype for run in runs)
         self.origins = tuple(run.origin for run in runs)
 
+    def _blocks(self) -> list[torch.Tensor]:
+        """The registered runs of blocks, in order (buffers, so they follow the module's device)."""
+        return [self.get_buffer(name) for name in self.block_names]
+
     @property
     def parts(self) -> list[QuantTensor]:
         return [
-            QuantTensor(self._buffers[name], qtype, self.in_features, origin)
-            for name, qtype, origin in zip(self.block_names, self.qtypes, self.origins, strict=True)
+            QuantTensor(blocks, qtype, self.in_features, origin)
+            for blocks, qtype, origin in zip(self._blocks(), self.qtypes, self.origins, strict=True)
         ]
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -266,8 +270,7 @@ class QuantLinear(nn.Module):
 
     def float32_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias) in float32, as the kernels compute it."""
-        blocks = [self._buffers[name] for name in self.block_names]
-        return quant_linear(x, blocks, self.qtypes, self.bias, self.int8_activations)
+        return quant_linear(x, self._blocks(), self.qtypes, self.bias, self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float32_product(x).to(x.dtype)
@@ -276,6 +279,8 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """An embedding table kept as GGUF blocks: a lookup dequantises just the rows it needs, and a
     tied LM head multiplies by the same blocks (`logits`)."""
+
+    blocks: torch.Tensor  # [num_embeddings, bytes per row], a buffer set by set_weight
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -104,13 +104,14 @@ class SpeculationPolicy:
         if self.disable_utilization is not None and self.monitor is not None:
             utilization = self.monitor.utilization(shape.base_tokens)
         caps: list[int] = []
-        reasons: list[str | None] = []
+        limits: list[str | None] = []  # the operator limit that capped each, if any
         for c in candidates:
             cap, reason = self._cap(c, shape.num_running, utilization)
             caps.append(cap)
-            reasons.append(reason)
+            limits.append(reason)
+        reasons: list[str]
         if self.mode == "auto":
-            ks, reasons = self._auto(candidates, caps, reasons, shape)
+            ks, reasons = self._auto(candidates, caps, limits, shape)
         else:
             ks, budget = [], shape.budget
             for cap in caps:
@@ -120,7 +121,7 @@ class SpeculationPolicy:
                 reasons = ["mode_off"] * len(caps)
             else:
                 reasons = [
-                    r or ("fixed" if k else "budget") for k, r in zip(ks, reasons, strict=True)
+                    r or ("fixed" if k else "budget") for k, r in zip(ks, limits, strict=True)
                 ]
         return [
             Decision(c.request.request_id, c.source, k, r)
@@ -178,11 +179,11 @@ class SpeculationPolicy:
         drafted = max((k for k, m in zip(ks, uses_model, strict=True) if m), default=0)
         self.costs.decided(self.costs.model_seconds(candidates, alphas, ks, drafted, False))
         final = []
-        for i in range(len(candidates)):
+        for i, limit in enumerate(reasons):
             if ks[i]:
                 final.append("goodput")
-            elif reasons[i] is not None:
-                final.append(reasons[i])
+            elif limit is not None:
+                final.append(limit)
             elif sum(ks) >= shape.budget:
                 final.append("budget")
             else:
