@@ -209,7 +209,9 @@ def test_run_level_holds_the_concurrency_and_cuts_off_at_the_window(monkeypatch)
     assert all(r.error is None and 0 < len(r.token_times) < 1000 for r in cut)
     assert share is None  # the same counters before and after: nothing decided
     level = W.summarize_level("auto", "mixed", 2, results, (start, end), share, 0.001)
-    assert level.num_completion_tokens == sum(len(r.token_times) for r in results)
+    # The window's tokens: on a loaded host a cancelled stream may still record one after `end`.
+    in_window = [t for r in results for t in r.token_times if start <= r.sent_at + t <= end]
+    assert level.num_completion_tokens == len(in_window) > 0
 
 
 def test_sliced_level_counts_each_mode_from_the_servers_counters(monkeypatch):
