@@ -193,7 +193,7 @@ async def _in_own_thread(fn: Callable[..., _T], *args: object) -> _T:
     worker threads for every thread that ran parallel work until that thread exits. A persistent
     executor thread would leave its team behind, and with more OpenMP threads alive than CPUs,
     GNU OpenMP stops spin-waiting between parallel regions: the engine thread's workers then
-    sleep and wake at every operator (the README's policy bench shows what that cost)."""
+    sleep and wake at every operator (docs/policy.md's policy bench shows what that cost)."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-loader")
     try:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
