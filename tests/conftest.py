@@ -64,10 +64,10 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def ngram_llm(model_path: Path, mode: str = "always") -> LLM:
+def ngram_llm(model_path: Path, mode: str = "always", **speculative: object) -> LLM:
     """An offline LLM over a tiny model that drafts 3 tokens by n-gram lookup in every step (a
-    one-token match is enough; `mode` "always" by default): float32, 4-token blocks, a 256-token
-    context."""
+    one-token match is enough; `mode` "always" by default; `speculative` adds to the speculative
+    config): float32, 4-token blocks, a 256-token context."""
     from engine import LLM
 
     config = {
@@ -75,6 +75,7 @@ def ngram_llm(model_path: Path, mode: str = "always") -> LLM:
         "mode": mode,  # "always", a fixed K: the auto policy's choices follow measured times
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 1,
+        **speculative,
     }
     return LLM(
         str(model_path),

@@ -137,21 +137,6 @@ class Calibration:
         return self.spread <= QUIET_SPREAD
 
 
-def calibrate(
-    runner: ModelRunner,
-    block_manager: BlockManager,
-    max_num_batched_tokens: int,
-    max_model_len: int,
-    repeats: int = 2,
-    timer: Callable[[int, int], float] | None = None,
-    batch_timer: Callable[[int, int], float] | None = None,
-) -> StepTimeModel:
-    """Time the grid and fit t(n, context, rows) (see `measure`)."""
-    return measure(
-        runner, block_manager, max_num_batched_tokens, max_model_len, repeats, timer, batch_timer
-    ).model
-
-
 def measure(
     runner: ModelRunner,
     block_manager: BlockManager,

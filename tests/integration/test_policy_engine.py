@@ -10,7 +10,7 @@ import pytest
 from engine.llm import LLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.speculation.calibration import calibrate, is_plausible
+from engine.speculation.calibration import is_plausible, measure
 from engine.speculation.policy import Candidate, SpeculationPolicy
 from engine.speculation.step_time import attention_reads
 from tests.policy_fakes import KNEE, Driver, FixedMonitor, FlatThenLinear, requests, shape
@@ -191,20 +191,20 @@ def test_calibration_fits_what_it_times(target) -> None:
         # Attention costs 1 us per KV position each query token reads.
         return 0.2 * max(1.0, n / 8) + 1e-6 * attention_reads(context, n)
 
-    model = calibrate(
+    model = measure(
         engine.runner, engine.block_manager, 64, engine.max_model_len, timer=fake_timer
-    )
+    ).model
     assert model.knee == 8 and is_plausible(model)
-    flat = calibrate(
+    flat = measure(
         engine.runner, engine.block_manager, 64, engine.max_model_len, timer=lambda n, c: 0.98
-    )
+    ).model
     assert not is_plausible(flat)  # timed while something else held the machine: not cached
     assert model.context_coef == pytest.approx(1e-6, rel=0.01)
     for n, cached in [(1, 0), (4, 0), (64, 0), (1, 3000), (8, 500), (16, 100)]:
         reads = attention_reads(cached, n)
         assert model.predict(n, reads) == pytest.approx(fake_timer(n, cached), rel=0.05)
     # Verify-shaped batches: every token a logits row costing 0.01 more than the one-row curve.
-    rows = calibrate(
+    rows = measure(
         engine.runner,
         engine.block_manager,
         64,
@@ -215,10 +215,10 @@ def test_calibration_fits_what_it_times(target) -> None:
             + 1e-6 * seqs * attention_reads(0, tokens)
             + 0.01 * (seqs * tokens - 1)
         ),
-    )
+    ).model
     assert model.row_coef == 0.0 and rows.row_coef == pytest.approx(0.01, rel=0.05)
     assert rows.predict(16, 0, 16) == pytest.approx(model.predict(16, 0) + 0.15, rel=0.01)
-    real = calibrate(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1)
+    real = measure(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1).model
     assert real.predict(1) > 0 and real.grid[-1] == 16
     assert engine.block_manager.num_used_blocks == 0
 

@@ -243,21 +243,8 @@ def test_tool_choices():
         {"type": "object", "properties": {}},
     ]
     assert tag["stop_after_first"] is False
-    named = tool_use(
-        chat(
-            tools=[WEATHER, NOW],
-            tool_choice={"type": "function", "function": {"name": "now"}},
-            parallel_tool_calls=False,
-        ),
-        HERMES,
-    ).structured
-    tag = json.loads(named.spec)["format"]
-    assert [t["content"]["elements"][0]["value"] for t in tag["tags"]] == [
-        '{"name": "now", "arguments": '
-    ]
-    assert tag["stop_after_first"] is True
-    # A named function is one call whatever parallel_tool_calls says, finished with "stop".
-    for parallel in (DROP, True):
+    # A named function is one call to it whatever parallel_tool_calls says, finished with "stop".
+    for parallel in (False, DROP, True):
         named_use = tool_use(
             chat(
                 tools=[WEATHER, NOW],
@@ -266,7 +253,11 @@ def test_tool_choices():
             ),
             HERMES,
         )
-        assert json.loads(named_use.structured.spec)["format"]["stop_after_first"] is True
+        tag = json.loads(named_use.structured.spec)["format"]
+        assert [t["content"]["elements"][0]["value"] for t in tag["tags"]] == [
+            '{"name": "now", "arguments": '
+        ]
+        assert tag["stop_after_first"] is True
         assert isinstance(named_use.parser, NamedCallParser) and named_use.parser.inner is HERMES
     # auto without parallel calls: no grammar, so the reading keeps the first call only.
     single = tool_use(chat(tools=[WEATHER, NOW], parallel_tool_calls=False), HERMES)
