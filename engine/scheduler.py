@@ -197,7 +197,9 @@ class Scheduler:
             if d.num_draft_tokens and not self.block_manager.allocate_slots(
                 c.request.request_id, target
             ):
-                decisions[i] = replace(d, num_draft_tokens=0, reason="kv_cache_full")
+                decisions[i] = replace(
+                    d, num_draft_tokens=0, reason="kv_cache_full", num_catch_up=0
+                )
             elif d.num_draft_tokens:
                 grants[c.request.request_id] = d.num_draft_tokens
         return grants, decisions

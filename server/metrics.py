@@ -33,7 +33,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 POLICY_DECISIONS: tuple[tuple[str, str], ...] = (
     ("speculate", "goodput"), ("speculate", "fixed"),
     ("skip", "request_opt_out"), ("skip", "batch_size"), ("skip", "utilization"),
-    ("skip", "compute_bound"), ("skip", "low_acceptance"), ("skip", "mode_off"),
+    ("skip", "compute_bound"), ("skip", "low_acceptance"), ("skip", "catch_up"),
+    ("skip", "mode_off"),
 )  # fmt: skip
 # (series name, EngineSnapshot attribute, help). Counter names leave out `_total`: the
 # exposition adds it. The units behind each number: engine.metrics.EngineMetrics.

@@ -16,6 +16,12 @@ plain steps it turned the correction into a discount (below 1) that bought draft
 more than they earned. A draft model's catch-up is charged to a decision as the share of it
 that the step's tokens buy, but predicted in full for the correction: the step does take all
 of it.
+
+A draft model's catch-up is also bounded per step: all of it in one forward would stall the
+whole batch for as long as the draft model takes to read a context of hundreds of tokens (seconds
+on a CPU), so a step catches up on at most `catch_up_chunk` tokens, a share of the step's own
+predicted forward; a request further behind is caught up over several steps and drafts once its
+draft KV is current.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ MIN_CATCH_UP_SAMPLE = 16
 # A draft model's catch-up is paid once and spread over the tokens it buys, counted over at most
 # this many: outputs often end (eos) well before max_tokens.
 CATCH_UP_HORIZON = 32
+# A step's draft-model catch-up (over every request) costs at most this share of its predicted
+# forward, and takes at least MIN_CATCH_UP_CHUNK tokens (progress on any host) and at most
+# MAX_CATCH_UP_CHUNK (the bound where the cost per token is not known yet).
+CATCH_UP_SHARE = 0.5
+MIN_CATCH_UP_CHUNK = 16
+MAX_CATCH_UP_CHUNK = 256
 # Sources that draft with a model: each draft depth costs one batched forward of it.
 MODEL_SOURCES = frozenset({"draft_model"})
 # The correction stays within these bounds, and fades toward none by this share per step without
@@ -69,6 +81,13 @@ class DraftCosts:
     def correction(self) -> float:
         low, high = CORRECTION_BOUNDS
         return min(high, max(low, self._error[True] / self._error[False]))
+
+    def catch_up_chunk(self, step_seconds: float) -> int:
+        """Tokens of draft-model catch-up a step predicted to take step_seconds may carry."""
+        if self.catch_up_seconds_per_token <= 0.0:
+            return MAX_CATCH_UP_CHUNK
+        tokens = int(CATCH_UP_SHARE * step_seconds / self.catch_up_seconds_per_token)
+        return max(MIN_CATCH_UP_CHUNK, min(MAX_CATCH_UP_CHUNK, tokens))
 
     def model_seconds(
         self,
@@ -149,7 +168,9 @@ class DraftCosts:
             per_forward = timing.more_seconds / timing.num_more
             self.draft_forward_seconds = _ewma(self.draft_forward_seconds, per_forward)
         if timing is not None and timing.num_catch_up >= MIN_CATCH_UP_SAMPLE:
-            extra = max(0.0, timing.first_seconds - self.draft_forward_seconds)
+            # A forward that only catches up (no request drafting yet) has no draft row in it.
+            drafting = self.draft_forward_seconds if timing.num_drafting else 0.0
+            extra = max(0.0, timing.first_seconds - drafting)
             self.catch_up_seconds_per_token = _ewma(
                 self.catch_up_seconds_per_token, extra / timing.num_catch_up
             )

@@ -11,7 +11,11 @@ a request drafts:
 
 The draft is lazy: a request the policy does not let speculate costs the draft model nothing,
 and when speculation resumes its first forward catches up on everything it missed, so its KV is
-exact again and acceptance does not collapse. The draft's KV does not follow the target's prefix
+exact again and acceptance does not collapse. The policy bounds that catch-up per step (engine/
+speculation/costs.py): a request further behind gets chunks of catch-up over several steps
+(`catch_up`, computed in the same first forward, no logits) and drafts once it is current, so a
+long context never stalls the batch for the draft model's whole read of it; the proposer itself
+holds every forward to MAX_CATCH_UP_CHUNK tokens of catch-up per request. The draft's KV does not follow the target's prefix
 cache: a request starts with no draft KV (a cached block may never have had its draft KV written)
 and after a preemption it starts over. No feedback is needed after verification: the next step
 compares the request's tokens with the drafts it fed and keeps the KV of the accepted ones.
@@ -29,6 +33,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
+from engine.speculation.costs import MAX_CATCH_UP_CHUNK
 from engine.speculation.proposer import Draft
 from engine.structured.masks import TokenMasks, mask_width, new_masks
 from engine.verifier import DRAFT_STREAM, sampling_row
@@ -37,13 +42,14 @@ from engine.verifier import DRAFT_STREAM, sampling_row
 @dataclass(frozen=True)
 class DraftTiming:
     """Seconds of the draft model's last propose: the first forward (catching up on
-    num_catch_up tokens besides one per drafting request) and the num_more single-token
-    forwards after it."""
+    num_catch_up tokens besides one per drafting request, num_drafting of them) and the
+    num_more single-token forwards after it."""
 
     num_catch_up: int
     first_seconds: float
     num_more: int
     more_seconds: float
+    num_drafting: int = 1
 
 
 @dataclass
@@ -76,12 +82,19 @@ class DraftModelProposer:
         self.block_manager = block_manager
         self._states: dict[str, _DraftState] = {}
         self._scheduled: Sequence[tuple[Request, int]] = ()
-        # Device marks of the last propose (num_catch_up, start, after the first forward,
-        # num_more, end), read into a DraftTiming once the step has synchronised (take_timing).
-        self._marks: tuple[int, Any, Any, int, Any] | None = None
+        self._catch_up: Sequence[tuple[Request, int]] = ()
+        # Device marks of the last propose (num_catch_up, num_drafting, start, after the first
+        # forward, num_more, end), read into a DraftTiming once the step has synchronised.
+        self._marks: tuple[int, int, Any, Any, int, Any] | None = None
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         self._scheduled = scheduled
+        self._catch_up = ()
+
+    def catch_up(self, requests: Sequence[tuple[Request, int]]) -> None:
+        """This step's catch-up without drafts: (request, tokens) the next `propose` computes
+        the draft KV of, from where the draft model stopped, in its first forward."""
+        self._catch_up = requests
 
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
@@ -117,18 +130,33 @@ class DraftModelProposer:
                 continue
             state = self._sync(request)
             end = request.num_computed_tokens + num_new[request.request_id]  # known this step
+            if end - 1 - state.num_computed > MAX_CATCH_UP_CHUNK:
+                # Never one forward over an unbounded context (the policy does not grant this).
+                self._catch_up = (*self._catch_up, (request, MAX_CATCH_UP_CHUNK))
+                continue
             table = self.block_manager.get_block_table(request.request_id)
             tokens = self._inputs(request.all_token_ids[state.num_computed : end])
             chunks.append(SeqChunk(tokens, state.num_computed, table, 1))
             state.num_computed = end
             drafting.append((request, k))
+        num_catch_up = sum(len(c.token_ids) - 1 for c in chunks)
+        for request, num_tokens in self._catch_up:
+            state = self._sync(request)
+            # Only tokens the target has computed: their blocks are in the table.
+            end = min(state.num_computed + num_tokens, request.num_computed_tokens)
+            if end > state.num_computed:
+                table = self.block_manager.get_block_table(request.request_id)
+                tokens = self._inputs(request.all_token_ids[state.num_computed : end])
+                chunks.append(SeqChunk(tokens, state.num_computed, table, 0))
+                num_catch_up += end - state.num_computed
+                state.num_computed = end
+        self._catch_up = ()
         if not chunks:
             return [None] * len(requests)
         device = self.runner.device
         start = device.mark()
-        logits = self.runner.forward(chunks)
+        logits = self.runner.forward(chunks)  # rows of the drafting requests, in their order
         first = device.mark()
-        num_catch_up = sum(len(c.token_ids) - 1 for c in chunks)
         drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
             r.request_id: ([], []) for r, _ in drafting
         }
@@ -152,7 +180,7 @@ class DraftModelProposer:
                 )
             assert logits is not None
             stopped.update(self._sample(logits, active, drafted))
-        self._marks = (num_catch_up, start, first, num_more, device.mark())
+        self._marks = (num_catch_up, len(drafting), start, first, num_more, device.mark())
         return [self._draft(r, drafted) for r in requests]
 
     def take_timing(self) -> DraftTiming | None:
@@ -160,10 +188,12 @@ class DraftModelProposer:
         Call after the step's synchronisation: the marks are read, never waited on."""
         if self._marks is None:
             return None
-        num_catch_up, start, first, num_more, end = self._marks
+        num_catch_up, num_drafting, start, first, num_more, end = self._marks
         self._marks = None
         elapsed = self.runner.device.elapsed
-        return DraftTiming(num_catch_up, elapsed(start, first), num_more, elapsed(first, end))
+        return DraftTiming(
+            num_catch_up, elapsed(start, first), num_more, elapsed(first, end), num_drafting
+        )
 
     def _inputs(self, token_ids: list[int]) -> list[int]:
         """The request's tokens as the draft can embed them: an id past a narrower draft

@@ -109,9 +109,15 @@ class SpeculationPolicy:
             cap, reason = self._cap(c, shape.num_running, utilization)
             caps.append(cap)
             limits.append(reason)
+        chunk = self.costs.catch_up_chunk(
+            self.step_model.predict(shape.base_tokens, shape.context, shape.base_rows)
+        )
+        # A draft model further behind on a request than a step may catch up cannot draft for it
+        # this step: what it is granted buys a chunk of catch-up instead (_catch_up).
+        behind = [c.source in MODEL_SOURCES and c.num_catch_up > chunk for c in candidates]
         reasons: list[str]
         if self.mode == "auto":
-            ks, reasons = self._auto(candidates, caps, limits, shape)
+            ks, reasons, catch_up = self._auto(candidates, caps, limits, shape, behind, chunk)
         else:
             ks, budget = [], shape.budget
             for cap in caps:
@@ -123,10 +129,38 @@ class SpeculationPolicy:
                 reasons = [
                     r or ("fixed" if k else "budget") for k, r in zip(ks, limits, strict=True)
                 ]
+            catch_up = self._catch_up(candidates, ks, behind, chunk)
+            for i in catch_up:
+                ks[i], reasons[i] = 0, "catch_up"
         return [
-            Decision(c.request.request_id, c.source, k, r)
-            for c, k, r in zip(candidates, ks, reasons, strict=True)
+            Decision(
+                c.request.request_id,
+                c.source,
+                k,
+                r,
+                catch_up.get(i, c.num_catch_up if k and c.source in MODEL_SOURCES else 0),
+            )
+            for i, (c, k, r) in enumerate(zip(candidates, ks, reasons, strict=True))
         ]
+
+    @staticmethod
+    def _catch_up(
+        candidates: Sequence[Candidate], ks: list[int], behind: list[bool], chunk: int
+    ) -> dict[int, int]:
+        """The catch-up tokens of each granted candidate the draft model is too far behind on to
+        draft for: the step's chunk, less what the drafting requests catch up on, handed out in
+        candidate order (one that gets none waits its turn: still reason catch_up)."""
+        left = chunk - sum(
+            c.num_catch_up
+            for c, k, b in zip(candidates, ks, behind, strict=True)
+            if k and not b and c.source in MODEL_SOURCES
+        )
+        catch_up = {}
+        for i, (c, k, b) in enumerate(zip(candidates, ks, behind, strict=True)):
+            if k and b:
+                catch_up[i] = max(0, min(c.num_catch_up, left))
+                left -= catch_up[i]
+        return catch_up
 
     def _cap(
         self, candidate: Candidate, num_running: int, utilization: float | None
@@ -148,12 +182,50 @@ class SpeculationPolicy:
         caps: list[int],
         reasons: list[str | None],
         shape: StepShape,
-    ) -> tuple[list[int], list[str]]:
-        """The goodput allocation. A draft model costs one batched forward per depth, whoever
-        drafts that deep, so each depth D (0: the model idle) is priced with model-drafted caps
-        cut to D; lookup drafts cost only the overhead of speculating."""
+        behind: list[bool],
+        chunk: int,
+    ) -> tuple[list[int], list[str], dict[int, int]]:
+        """The goodput allocation; a request the draft model is behind on is valued as if it
+        could draft now, its whole catch-up charged as the share of it the drafts buy (whether
+        catching up pays); granted, it gets a chunk of catch-up instead, and the others are
+        allocated again with that chunk's seconds paid by the step whatever it drafts."""
         uses_model = [c.source in MODEL_SOURCES for c in candidates]
         alphas = [self._acceptance(c, m) for c, m in zip(candidates, uses_model, strict=True)]
+        ks, model_seconds = self._allocate(candidates, alphas, caps, uses_model, shape)
+        catch_up = self._catch_up(candidates, ks, behind, chunk)
+        fixed = 0.0
+        if catch_up:
+            fixed = self.costs.catch_up_seconds_per_token * sum(catch_up.values())
+            caps = [0 if i in catch_up else cap for i, cap in enumerate(caps)]
+            ks, model_seconds = self._allocate(candidates, alphas, caps, uses_model, shape, fixed)
+        self.costs.decided(model_seconds + fixed)
+        final = []
+        for i, limit in enumerate(reasons):
+            if i in catch_up:
+                final.append("catch_up")
+            elif ks[i]:
+                final.append("goodput")
+            elif limit is not None:
+                final.append(limit)
+            elif sum(ks) >= shape.budget:
+                final.append("budget")
+            else:
+                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape))
+        return ks, final, catch_up
+
+    def _allocate(
+        self,
+        candidates: Sequence[Candidate],
+        alphas: list[float],
+        caps: list[int],
+        uses_model: list[bool],
+        shape: StepShape,
+        fixed: float = 0.0,
+    ) -> tuple[list[int], float]:
+        """k per candidate, and the draft model's seconds for them (catch-up in full). A draft
+        model costs one batched forward per depth, whoever drafts that deep, so each depth D (0:
+        the model idle) is priced with model-drafted caps cut to D; lookup drafts cost only the
+        overhead of speculating. `fixed`: seconds the step takes whatever is drafted."""
         deepest = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
 
         def allocation(depth: int) -> tuple[list[int], list[int], DraftCost, float]:
@@ -161,11 +233,14 @@ class SpeculationPolicy:
                 min(cap, depth) if m else cap for cap, m in zip(caps, uses_model, strict=True)
             ]
             model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
-            cost = self.costs.step_cost(model_seconds, shape, self.step_model)
+            cost = _plus(self.costs.step_cost(model_seconds, shape, self.step_model), fixed)
             ks = best_draft_lengths(alphas, depth_caps, shape, self.step_model, cost)
             # Valued with the catch-up of the requests that draft, not of every one that could.
-            cost = self.costs.step_cost(
-                self.costs.model_seconds(candidates, alphas, ks, depth), shape, self.step_model
+            cost = _plus(
+                self.costs.step_cost(
+                    self.costs.model_seconds(candidates, alphas, ks, depth), shape, self.step_model
+                ),
+                fixed,
             )
             return ks, depth_caps, cost, goodput(alphas, ks, shape, self.step_model, cost)
 
@@ -177,18 +252,7 @@ class SpeculationPolicy:
         ks, depth_caps, cost, _ = options[depth]
         ks = self._hold(candidates, alphas, depth_caps, ks, shape, cost)
         drafted = max((k for k, m in zip(ks, uses_model, strict=True) if m), default=0)
-        self.costs.decided(self.costs.model_seconds(candidates, alphas, ks, drafted, False))
-        final = []
-        for i, limit in enumerate(reasons):
-            if ks[i]:
-                final.append("goodput")
-            elif limit is not None:
-                final.append(limit)
-            elif sum(ks) >= shape.budget:
-                final.append("budget")
-            else:
-                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape))
-        return ks, final
+        return ks, self.costs.model_seconds(candidates, alphas, ks, drafted, False)
 
     def _acceptance(self, candidate: Candidate, uses_model: bool) -> float:
         """What a request's drafts are judged by. A draft model learns only by drafting, so its
@@ -260,6 +324,13 @@ class SpeculationPolicy:
             key = acceptance_key(request_id, source)
             self.tracker.forget(key)
             self._last_k.pop(key, None)
+
+
+def _plus(cost: DraftCost, seconds: float) -> DraftCost:
+    """cost, plus seconds the step pays whatever it drafts."""
+    if not seconds:
+        return cost
+    return lambda num_draft_tokens: cost(num_draft_tokens) + seconds
 
 
 def _once(seconds: float) -> DraftCost:

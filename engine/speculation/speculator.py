@@ -117,9 +117,19 @@ class Speculator:
                 drafts[s.request.request_id] = replace(s.offer.draft, token_ids=tokens)
             else:
                 by_model.setdefault(s.offer.source, []).append(s)
+        # Requests a draft model catches up on without drafting (the policy's chunk of it).
+        catch_up: dict[str, list[tuple[Request, int]]] = {}
+        chunks = {d.request_id: d.num_catch_up for d in schedule.decisions if d.num_catch_up}
+        for s in schedule.scheduled:
+            n = chunks.get(s.request.request_id, 0)
+            if n and not s.num_draft_tokens and s.offer is not None:
+                catch_up.setdefault(s.offer.source, []).append((s.request, n))
         for proposer in self.chain:
             granted = by_model.get(proposer.name, [])
-            if not granted:
+            behind = catch_up.get(proposer.name, [])
+            if behind:
+                proposer.catch_up(behind)  # type: ignore[attr-defined]  # a model proposer
+            if not granted and not behind:
                 continue
             found = proposer.propose(
                 [s.request for s in granted], [s.num_draft_tokens for s in granted]

@@ -26,6 +26,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "batch_size",  # the running batch reached spec_disable_batch_size
     "utilization",  # the device is at least spec_disable_utilization busy
     "compute_bound",  # drafts would pay alone, not in this step's batch
+    "catch_up",  # the draft model catches up on the request first, a bounded chunk per step
     "low_acceptance",  # drafts would not pay even alone
     "budget",  # always: the step's token budget is spent
     "kv_cache_full",  # granted, but the KV pool had no room for the drafts
@@ -41,6 +42,9 @@ class Decision:
     source: str
     num_draft_tokens: int
     reason: str
+    # Tokens the draft model catches up on for the request this step: what it missed, before
+    # drafting (k > 0), or a chunk of it (reason catch_up); within the policy's per-step chunk.
+    num_catch_up: int = 0
 
     @property
     def decision(self) -> str:

@@ -291,3 +291,42 @@ def test_steps_count_their_seconds_and_tokens_under_the_mode_they_ran_in(target)
         assert policy.mode_seconds[mode] == pytest.approx(sum(s.seconds for s in steps))
     assert policy.mode_tokens["always"] > 2 * 4  # drafts accepted: more than a token a step
     assert sum(policy.mode_tokens.values()) == engine.metrics.num_generation_tokens == 60
+
+
+def test_a_long_prompt_is_caught_up_in_chunks_and_drafts_exactly(target) -> None:
+    """A self-draft behind on a 150-token prompt: the draft model's forwards never carry more
+    than the step's chunk of catch-up (16 tokens here), the request drafts once caught up, every
+    draft is accepted (its draft KV is exact), and the output is plain greedy decoding's."""
+    prompt = [(7 * i) % 50 + 3 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = _engine_llm(target, "draft_model", draft=target, mode="off")
+    expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    llm = _engine_llm(target, "draft_model", draft=target)
+    engine = llm.engine
+    policy = engine.speculator.policy
+    policy.step_model = FlatThenLinear()
+    policy.costs.draft_forward_seconds = 0.0
+    policy.costs.catch_up_seconds_per_token = 1.0 / 32  # half a 1 s step: MIN_CATCH_UP_CHUNK
+    timings, decisions = [], []
+    observe = engine.speculator.observe
+
+    def record(stats) -> None:
+        observe(stats)
+        timings.append(stats.draft_timing)
+        decisions.extend(stats.decisions)
+        # The fake's times, not the tiny model's real ones (milliseconds against its 1 s step):
+        # no per-token cost or correction learned from them.
+        policy.costs.catch_up_seconds_per_token = 1.0 / 32
+        policy.costs._error = {True: 1.0, False: 1.0}
+
+    engine.speculator.observe = record  # type: ignore[method-assign]
+    output = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert output == expected
+    catch_ups = [t.num_catch_up for t in timings if t is not None]
+    assert catch_ups and max(catch_ups) <= 16
+    reasons = [d.reason for d in decisions]
+    assert reasons.count("catch_up") >= 150 // 16 - 1  # the prompt, a chunk a step
+    assert reasons.index("goodput") > reasons.index("catch_up")
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert engine.block_manager.num_used_blocks == 0

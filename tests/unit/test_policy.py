@@ -402,7 +402,8 @@ def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() 
     )
     policy.tracker = FixedAlphas({"r0": 0.9})  # type: ignore[assignment]
     request = Request("r0", [1, 2, 3], SamplingParams(max_tokens=64), 64)
-    candidates = [Candidate(request, 4, "draft_model", num_catch_up=200)]
+    # 40 tokens: within a step's chunk (half the 1 s step at 0.01 s a token), so it drafts now.
+    candidates = [Candidate(request, 4, "draft_model", num_catch_up=40)]
     decisions = policy.decide(candidates, StepShape(1, 1, 0, 256, 1))
     assert [d.num_draft_tokens for d in decisions] == [4]
     forwards = 0.1 * expected_tokens(0.9, 3)
@@ -413,7 +414,7 @@ def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() 
         5,
         0,
         1.0,  # the target forward, as the step-time model predicts it
-        forwards + 0.01 * 200,  # the draft model's forwards and its whole catch-up
+        forwards + 0.01 * 40,  # the draft model's forwards and its whole catch-up
         0.0,
     )
     policy.observe(stats)
