@@ -1,13 +1,16 @@
 """The speculation policy over HTTP: modes off / always / auto side by side in one run.
 
 One `specserve serve` on the config, started in auto (the mode that calibrates), warmed up once
-per mode; the prefix cache holds every prompt of the workloads before the first level (one
-1-token request each), so the levels measure the steady state of a server that has seen its
-prompts. In a level, c streaming clients hold c chat requests in flight — a client sends its next
-request (greedy, --max-tokens, drawn round-robin from a mixed code-edit + open-chat workload,
-bench/policy_workload.py) as soon as its last one ends; holding the concurrency measures the
-engine at c, not a ramp-down through every concurrency below it. The mode is switched through the
-operator route `PUT /internal/speculation`, in one of two ways:
+per mode; the prefix cache holds every prompt of every workload measured before the first level
+(one 1-token request each), so the levels measure the steady state of a server that has seen its
+prompts. A level is one workload at one concurrency: every workload of --workloads (default
+mixed: code edits and open chat interleaved; also code_edit, open_chat, code_gen — functions to
+complete, as in HumanEval; bench/policy_workload.py) at every concurrency of --concurrency. In a
+level, c streaming clients hold c chat requests in flight — a client sends its next request
+(greedy, --max-tokens, drawn round-robin from the level's workload) as soon as its last one ends;
+holding the concurrency measures the engine at c, not a ramp-down through every concurrency below
+it. The mode is switched through the operator route `PUT /internal/speculation`, in one of two
+ways:
 
 - slices (the default, --slice seconds, c / 8 times that past 8 clients): the clients never stop
   for the whole level; the modes take turns, one slice each per round (--rounds), in an order
@@ -21,20 +24,22 @@ operator route `PUT /internal/speculation`, in one of two ways:
   still streaming at its end cut off; tokens/s counts the tokens streamed inside the window.
   --prefix-cache cold empties the cache before each window (`POST /internal/reset-prefix-cache`).
 
-Per (mode, c) and round: total tokens/s, TTFT p50/p99, inter-token latency p50/p99 (per token, amortised over the tokens of one step) and
-the share of the policy's per-request decisions that speculated (/metrics deltas). Then a
-code-edit-only level at concurrency 1. The server runs with max_num_seqs >= the largest
-concurrency and --kv-cache-gib of KV cache.
+Per (mode, workload, c) and round: total tokens/s, TTFT p50/p99, inter-token latency p50/p99 (per
+token, amortised over the tokens of one step) and the share of the policy's per-request decisions
+that speculated (/metrics deltas). Then a code-edit-only level at concurrency 1 (none with
+--no-code-edit-c1, or when the sweep already holds it). The server runs with max_num_seqs >= the
+largest concurrency and --kv-cache-gib of KV cache.
 
-Prints a markdown table (medians over the rounds, with their range), "auto vs best(off, always)"
-per concurrency (auto over the better fixed mode in the same round, the median of the rounds)
-and whether the targets hold (auto within 3% of the best at every c; code edit at c=1: auto >=
-1.5x off); writes JSON (--out) and a PNG (--plot, needs the `bench` extra: matplotlib);
-bench/policy_report.py formats them.
+Prints a markdown table per workload (medians over the rounds, with their range), "auto vs
+best(off, always)" per workload and concurrency (auto over the better fixed mode in the same
+round, the median of the rounds) and whether the targets hold, judged on the mixed workload (auto
+within 3% of the best at every c; code edit at c=1: auto >= 1.5x off); writes JSON (--out) and a
+PNG (--plot, needs the `bench` extra: matplotlib); bench/policy_report.py formats them.
 
     python bench/policy.py [--config configs/default.yaml] [--modes off,always,auto]
         [--concurrency 1,2,4,8,16,32] [--slice 10] [--rounds 6] [--max-tokens 96]
     python bench/policy.py --slice 0 --rounds 3 --duration 20    # windows
+    python bench/policy.py --workloads mixed,code_gen --concurrency 1,4
     python bench/policy.py --smoke     # SmolLM2-135M, n-gram, c = 1, 2, one round: a minute
 """
 
@@ -103,6 +108,16 @@ class BenchSettings:
     rounds: int = 1  # windows per (mode, level), interleaved with the other modes'
     is_cold: bool = False  # empty the prefix cache before each window
     slice: float = 0.0  # > 0: the modes take turns in slices this long under one load
+    workloads: tuple[str, ...] = ("mixed",)  # each measured at every concurrency
+
+
+def levels_of(settings: BenchSettings) -> list[tuple[str, int]]:
+    """The (workload, concurrency) levels in the order they run: every workload at every
+    concurrency, then code edit at c = 1 if asked for and not already among them."""
+    levels = [(w, c) for w in settings.workloads for c in settings.concurrency]
+    if settings.is_code_edit_c1 and ("code_edit", 1) not in levels:
+        levels.append(("code_edit", 1))
+    return levels
 
 
 # --------------------------------------------------------------------------- the server
@@ -162,8 +177,7 @@ def prompt_offset(num_prompts: int, round_index: int, rounds: int) -> int:
 
 def bench_all(settings: BenchSettings) -> list[LevelResult]:
     """Every level, round and mode on one server; the windows of a level's round back to back."""
-    levels = [("mixed", c) for c in settings.concurrency]
-    levels += [("code_edit", 1)] if settings.is_code_edit_c1 else []
+    levels = levels_of(settings)
     config = server_config(settings.config, max(settings.concurrency), settings.kv_cache_memory)
     headers = auth_headers(config)
     results = []
@@ -289,11 +303,28 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _workloads(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(WORKLOADS)}"
+        )
+    return names
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--modes", default="off,always,auto")
     parser.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32))
+    parser.add_argument(
+        "--workloads",
+        type=_workloads,
+        default=("mixed",),
+        help=f"comma list of {', '.join(WORKLOADS)}; each is measured at every concurrency",
+    )
     parser.add_argument(
         "--duration",
         type=float,
@@ -356,6 +387,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         rounds=max(1, args.rounds),
         is_cold=args.prefix_cache == "cold",
         slice=max(0.0, args.slice),
+        workloads=tuple(args.workloads),
     )
     return settings, args
 
@@ -377,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     out.write_text(json.dumps(payload, indent=2) + "\n")
     try:
-        plot(levels, ROOT / args.plot)
+        plot(levels, ROOT / args.plot, settings.workloads)
     except ImportError as e:  # the figures are in the JSON; the plot needs the bench extra
         logger.warning("wrote %s; no plot (%s: pip install -e '.[bench]')", out, e)
         return

@@ -1,8 +1,9 @@
 """bench/policy.py's report: the markdown tables per workload (tokens/s, the median over the
 rounds and its range, relative to off; TTFT, inter-token latency, share speculating), auto
-against the better fixed mode at each concurrency (paired by round), the verdict on the targets
-(on the medians), and the PNG plot. It reads finished LevelResults only; the run itself (the
-server, the clients) stays in bench/policy.py."""
+against the better fixed mode at each workload's concurrency (paired by round), the verdict on
+the targets (on the medians; the mixed workload and code edit at c = 1), and the PNG plot. It
+reads finished LevelResults only; the run itself (the server, the clients) stays in
+bench/policy.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from policy_workload import LevelResult
 AUTO_TOLERANCE = 0.03  # auto may trail the better fixed mode by this much
 CODE_EDIT_TARGET = 1.5  # auto over off, code edit at concurrency 1
 FIXED_MODES = ("off", "always")  # auto is judged against the better of those measured
+TITLES = {  # the report's heading of each workload of bench/policy_workload.py
+    "mixed": "Mixed workload (code edit + open chat)",
+    "code_edit": "Code edit only",
+    "open_chat": "Open chat only",
+    "code_gen": "Code generation (functions to complete)",
+}
 
 
 def _ms(seconds: float | None) -> str:
@@ -113,10 +120,10 @@ def _paired(runs_a: Sequence[LevelResult], runs_b: Sequence[LevelResult]) -> tup
     return tuple(r.tokens_per_s / b[r.round] - 1 for r in runs_a if b.get(r.round))
 
 
-def auto_vs_best(levels: Sequence[LevelResult]) -> dict[int, Gap]:
-    """Per concurrency of the mixed workload, auto against the better of the fixed modes the run
+def auto_vs_best(levels: Sequence[LevelResult], workload: str = "mixed") -> dict[int, Gap]:
+    """Per concurrency of `workload`, auto against the better of the fixed modes the run
     measured (off, always, or both). Levels without auto or a fixed mode are left out."""
-    runs = {(m, c): rs for (m, w, c), rs in rounds_of(levels).items() if w == "mixed"}
+    runs = {(m, c): rs for (m, w, c), rs in rounds_of(levels).items() if w == workload}
     out = {}
     for c in sorted({c for _, c in runs}):
         fixed = [m for m in FIXED_MODES if (m, c) in runs]
@@ -132,7 +139,7 @@ def check_targets(levels: Sequence[LevelResult]) -> dict[str, Any]:
     """The issue's targets, judged on the medians over the rounds; None where the run lacks the
     levels to judge."""
     gaps = auto_vs_best(levels)
-    code = {m: rs for (m, w, _), rs in rounds_of(levels).items() if w == "code_edit"}
+    code = {m: rs for (m, w, c), rs in rounds_of(levels).items() if (w, c) == ("code_edit", 1)}
     ratios = _paired(code["auto"], code["off"]) if "auto" in code and "off" in code else ()
     ratio = _median(ratios) + 1 if ratios else None
     return {
@@ -148,20 +155,25 @@ def check_targets(levels: Sequence[LevelResult]) -> dict[str, Any]:
 
 
 def report(levels: Sequence[LevelResult]) -> str:
-    mixed = [r for r in levels if r.workload == "mixed"]
-    code = [r for r in levels if r.workload == "code_edit"]
-    parts = ["Mixed workload (code edit + open chat):", "", format_table(mixed)]
-    if code:
-        parts += ["", "Code edit only, concurrency 1:", "", format_table(code)]
-    parts.append("")
-    measured = {r.mode for r in mixed}
-    for c, gap in auto_vs_best(levels).items():
-        rounds = ", ".join(f"{100 * g:+.1f}%" for g in gap.per_round)
-        parts.append(
-            f"c={c}: auto vs best({', '.join(m for m in FIXED_MODES if m in measured)}): "
-            f"{100 * gap.median:+.1f}% median "
-            f"(best: {gap.best}; per round: {rounds})"
-        )
+    """A table per workload (in the order measured), auto against the best fixed mode per
+    workload and concurrency (the mixed workload's lines unprefixed), then the targets."""
+    workloads = list(dict.fromkeys(r.workload for r in levels)) or ["mixed"]
+    parts = []
+    for workload in workloads:
+        rows = [r for r in levels if r.workload == workload]
+        cs = sorted({r.concurrency for r in rows})
+        title = TITLES.get(workload, workload) + (f", concurrency {cs[0]}" if len(cs) == 1 else "")
+        parts += [f"{title}:", "", format_table(rows), ""]
+    for workload in workloads:
+        measured = {r.mode for r in levels if r.workload == workload}
+        prefix = "" if workload == "mixed" else f"{workload} "
+        fixed = ", ".join(m for m in FIXED_MODES if m in measured)
+        for c, gap in auto_vs_best(levels, workload).items():
+            rounds = ", ".join(f"{100 * g:+.1f}%" for g in gap.per_round)
+            parts.append(
+                f"{prefix}c={c}: auto vs best({fixed}): {100 * gap.median:+.1f}% median "
+                f"(best: {gap.best}; per round: {rounds})"
+            )
     targets = check_targets(levels)
     verdict = {True: "met", False: "NOT met", None: "not measured"}
     parts.append(
@@ -177,24 +189,32 @@ def report(levels: Sequence[LevelResult]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def plot(levels: Sequence[LevelResult], path: Path) -> None:
-    """Left: tokens/s against concurrency per mode; right: share of decisions speculating."""
+def plot(levels: Sequence[LevelResult], path: Path, workloads: Sequence[str] = ("mixed",)) -> None:
+    """Left: tokens/s against concurrency per mode; right: share of decisions speculating. One
+    colour per mode, one line style per workload of `workloads` (the swept ones)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mixed = [r for r in combined(levels) if r.workload == "mixed"]
+    swept = [r for r in combined(levels) if r.workload in workloads]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, mode in enumerate(dict.fromkeys(r.mode for r in mixed)):
-        style = {"marker": "o", "label": mode, "color": f"C{i}"}  # one colour per mode
-        rows = sorted((r for r in mixed if r.mode == mode), key=lambda r: r.concurrency)
-        left.plot([r.concurrency for r in rows], [r.tokens_per_s for r in rows], **style)
-        shares = [(r.concurrency, r.speculating_share) for r in rows if mode != "off"]
-        shares = [(x, 100 * s) for x, s in shares if s is not None]
-        if shares:
-            right.plot(*zip(*shares, strict=True), **style)
-    ticks = sorted({r.concurrency for r in mixed})
+    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r.mode for r in swept))}
+    lines = ("-", "--", ":", "-.")
+    for j, workload in enumerate(workloads):
+        for mode, colour in colours.items():
+            label = mode if len(workloads) == 1 else f"{mode}, {workload}"
+            style = {"marker": "o", "label": label, "color": colour, "ls": lines[j % len(lines)]}
+            rows = [r for r in swept if (r.mode, r.workload) == (mode, workload)]
+            rows.sort(key=lambda r: r.concurrency)
+            if not rows:
+                continue
+            left.plot([r.concurrency for r in rows], [r.tokens_per_s for r in rows], **style)
+            shares = [(r.concurrency, r.speculating_share) for r in rows if mode != "off"]
+            shares = [(x, 100 * s) for x, s in shares if s is not None]
+            if shares:
+                right.plot(*zip(*shares, strict=True), **style)
+    ticks = sorted({r.concurrency for r in swept})
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xticks(ticks, [str(c) for c in ticks])

@@ -1,9 +1,11 @@
 """The workload and the measurements of bench/policy.py, kept free of I/O so tests can check them.
 
-Workload: code-edit prompts (a function to rewrite with one small change, full code back: the
-answer copies most of the prompt, where n-gram drafts shine) interleaved with open chat questions
-(free text, where drafts are often wrong). Request i of a level gets prompt i mod len(workload),
-so every mode sees the same requests in the same order.
+Workloads (WORKLOADS, by name): code_edit, a function to rewrite with one small change, full code
+back (the answer copies most of the prompt, where n-gram drafts shine); open_chat, free-text
+questions (where drafts are often wrong); mixed, the two interleaved (the default); code_gen, a
+signature and docstring to complete, as in HumanEval (new code: drafts have less to copy than in a
+code edit, more than in chat). Request i of a level gets prompt i mod len(workload), so every mode
+sees the same requests in the same order.
 
 Measurements: per request the arrival time of every streamed token (the server is started with
 one SSE chunk per token). A level holds its concurrency for a fixed window: its throughput counts
@@ -104,6 +106,82 @@ OPEN_CHAT = (
     "How do noise-cancelling headphones work?",
 )
 
+# Functions to complete: a signature and a docstring with an example or two, as in HumanEval (the
+# answer writes new code, so n-gram lookup finds less to copy than in a code edit).
+CODE_GEN = (
+    "def is_balanced(text: str) -> bool:\n"
+    '    """Whether every bracket in `text` ((), [] and {}) is closed in the right order;\n'
+    "    other characters are ignored.\n"
+    '    >>> is_balanced("f(a[1], {b: 2})")\n'
+    "    True\n"
+    '    >>> is_balanced("(]")\n'
+    "    False\n"
+    '    """\n',
+    "def run_length_encode(text: str) -> str:\n"
+    '    """Each run of one repeated character as the character followed by the length of\n'
+    "    the run.\n"
+    '    >>> run_length_encode("aaabccdddd")\n'
+    "    'a3b1c2d4'\n"
+    '    """\n',
+    "def second_largest(numbers: list[int]) -> int | None:\n"
+    '    """The second largest distinct value in `numbers`, or None if there is none.\n'
+    "    >>> second_largest([4, 1, 4, 3])\n"
+    "    3\n"
+    "    >>> second_largest([7, 7])\n"
+    '    """\n',
+    "def chunked(items: list, size: int) -> list[list]:\n"
+    '    """Split `items` into consecutive lists of `size` items; the last may be shorter.\n'
+    "    Raise ValueError if `size` is not positive.\n"
+    "    >>> chunked([1, 2, 3, 4, 5], 2)\n"
+    "    [[1, 2], [3, 4], [5]]\n"
+    '    """\n',
+    "def invert(mapping: dict[str, int]) -> dict[int, list[str]]:\n"
+    '    """Map each value of `mapping` to the sorted list of the keys that have it.\n'
+    '    >>> invert({"a": 1, "b": 2, "c": 1})\n'
+    "    {1: ['a', 'c'], 2: ['b']}\n"
+    '    """\n',
+    "def digital_root(n: int) -> int:\n"
+    '    """Add up the decimal digits of the non-negative `n`, then the digits of the sum,\n'
+    "    until one digit is left.\n"
+    "    >>> digital_root(9875)\n"
+    "    2\n"
+    '    """\n',
+    "def primes_below(n: int) -> list[int]:\n"
+    '    """Every prime number smaller than `n`, in increasing order.\n'
+    "    >>> primes_below(20)\n"
+    "    [2, 3, 5, 7, 11, 13, 17, 19]\n"
+    "    >>> primes_below(2)\n"
+    "    []\n"
+    '    """\n',
+    "def title_case(sentence: str, minor_words: set[str]) -> str:\n"
+    '    """Capitalise every word of `sentence` except those in `minor_words`, which are\n'
+    "    lower-cased; the first word is always capitalised.\n"
+    '    >>> title_case("the lord OF the rings", {"of", "the"})\n'
+    "    'The Lord of the Rings'\n"
+    '    """\n',
+    "def merge_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:\n"
+    '    """The counts of `a` and `b` added key by key; keys whose total is zero are left\n'
+    "    out.\n"
+    '    >>> merge_counts({"x": 2, "y": 1}, {"y": -1, "z": 4})\n'
+    "    {'x': 2, 'z': 4}\n"
+    '    """\n',
+    "def rotate_clockwise(matrix: list[list[int]]) -> list[list[int]]:\n"
+    '    """The matrix turned a quarter turn clockwise; `matrix` is left unchanged.\n'
+    "    >>> rotate_clockwise([[1, 2, 3], [4, 5, 6]])\n"
+    "    [[4, 1], [5, 2], [6, 3]]\n"
+    '    """\n',
+    "def common_prefix(words: list[str]) -> str:\n"
+    '    """The longest string that every word in `words` starts with ("" for no words).\n'
+    '    >>> common_prefix(["interview", "internet", "interval"])\n'
+    "    'inter'\n"
+    '    """\n',
+    'def flatten_keys(nested: dict, separator: str = ".") -> dict:\n'
+    '    """A flat dict whose keys join the keys of nested dicts with `separator`.\n'
+    '    >>> flatten_keys({"a": 1, "b": {"c": 2, "d": {"e": 3}}})\n'
+    "    {'a': 1, 'b.c': 2, 'b.d.e': 3}\n"
+    '    """\n',
+)
+
 
 def code_edit_prompts() -> list[str]:
     """Every (function, edit) pair: an instruction, the code, and a request for the full code."""
@@ -118,6 +196,25 @@ def code_edit_prompts() -> list[str]:
     return prompts
 
 
+def complete_function_prompt(code: str) -> str:
+    """The request to complete one function, its signature and docstring given (bench/humaneval.py
+    asks HumanEval's problems the same way)."""
+    return (
+        "Complete the following Python function. Reply with the complete function in one "
+        f"```python code block.\n\n```python\n{code}```"
+    )
+
+
+def code_gen_prompts() -> list[str]:
+    """Every function of CODE_GEN to complete."""
+    return [complete_function_prompt(code) for code in CODE_GEN]
+
+
+def open_chat_prompts() -> list[str]:
+    """The open chat questions alone."""
+    return list(OPEN_CHAT)
+
+
 def mixed_prompts() -> list[str]:
     """Code edits and open chat, alternating."""
     code, chat = code_edit_prompts(), list(OPEN_CHAT)
@@ -127,7 +224,12 @@ def mixed_prompts() -> list[str]:
     return mixed
 
 
-WORKLOADS = {"mixed": mixed_prompts, "code_edit": code_edit_prompts}
+WORKLOADS = {
+    "mixed": mixed_prompts,
+    "code_edit": code_edit_prompts,
+    "open_chat": open_chat_prompts,
+    "code_gen": code_gen_prompts,
+}
 
 
 # --------------------------------------------------------------------------- measurements
@@ -230,11 +332,12 @@ def parse_sse_line(line: str) -> dict[str, Any] | str | None:
 
 
 class ChatStreamReader:
-    """Reads one streamed chat completion line by line and times its tokens."""
+    """Reads one streamed chat completion line by line, times its tokens and keeps its text."""
 
     def __init__(self, sent_at: float) -> None:
         self.sent_at = sent_at
         self.token_times: list[float] = []
+        self.pieces: list[str] = []  # the content of each token's chunk
         self.num_usage_tokens: int | None = None
         self.is_done = False
 
@@ -254,8 +357,14 @@ class ChatStreamReader:
         if usage:
             self.num_usage_tokens = int(usage["completion_tokens"])
         for choice in event.get("choices") or []:
-            if (choice.get("delta") or {}).get("content"):
+            if content := (choice.get("delta") or {}).get("content"):
                 self.token_times.append(now - self.sent_at)
+                self.pieces.append(content)
+
+    @property
+    def text(self) -> str:
+        """The content streamed so far."""
+        return "".join(self.pieces)
 
     def result(self, prompt_index: int, now: float) -> RequestResult:
         tokens = self.num_usage_tokens

@@ -85,6 +85,7 @@ def test_chat_stream_reader_times_content_chunks_and_reads_usage():
     assert result.token_times == pytest.approx((0.25, 0.40))
     assert result.ttft == pytest.approx(0.25)
     assert result.num_completion_tokens == 3  # usage wins over the 2 content chunks
+    assert reader.text == "def f"  # the content, for bench/humaneval.py to execute
     assert result.latency == pytest.approx(0.5) and result.prompt_index == 5
     no_usage = W.ChatStreamReader(0.0)
     no_usage.feed(_chunk(content="x"), 1.0)
@@ -290,6 +291,117 @@ def test_workloads_are_distinct_and_code_edits_carry_their_code():
         assert sum(source in p for p in code) == len(W.EDITS)
         assert any(f"`{old}` to `{new}`" in p and source in p for p in code)
     assert mixed[0::2] == code and mixed[1::2][: len(W.OPEN_CHAT)] == list(W.OPEN_CHAT)
+
+
+def test_open_chat_and_code_gen_are_workloads_of_their_own():
+    assert list(W.WORKLOADS) == ["mixed", "code_edit", "open_chat", "code_gen"]
+    chat, gen = W.WORKLOADS["open_chat"](), W.WORKLOADS["code_gen"]()
+    assert chat == list(W.OPEN_CHAT) and len(chat) == len(set(chat)) > 0
+    assert len(gen) == len(W.CODE_GEN) == len(set(gen)) >= 10
+    assert not set(gen) & set(W.mixed_prompts())  # new prompts, not in mixed
+    names = set()
+    for code, prompt in zip(W.CODE_GEN, gen, strict=True):
+        assert prompt == W.complete_function_prompt(code)
+        assert prompt.endswith(f"```python\n{code}```") and code.startswith("def ")
+        assert code.rstrip().endswith('"""') and ">>> " in code  # a docstring with an example
+        names.add(code[4 : code.index("(")])
+        compile(code + "    pass\n", "<code_gen>", "exec")  # a signature Python accepts
+    assert len(names) == len(W.CODE_GEN)  # every function a different one
+
+
+def test_workloads_option_measures_each_workload_at_each_concurrency():
+    settings, _ = P.parse_args([])
+    assert settings.workloads == ("mixed",)  # as before the option
+    assert P.levels_of(settings) == [("mixed", c) for c in (1, 2, 4, 8, 16, 32)] + [
+        ("code_edit", 1)
+    ]
+    both, _ = P.parse_args(["--workloads", "code_gen, mixed,code_gen", "--concurrency", "1,4"])
+    assert both.workloads == ("code_gen", "mixed")  # in the order given, once each
+    assert P.levels_of(both) == [
+        ("code_gen", 1),
+        ("code_gen", 4),
+        ("mixed", 1),
+        ("mixed", 4),
+        ("code_edit", 1),
+    ]
+    edits, _ = P.parse_args(["--workloads", "code_edit", "--concurrency", "1,2"])
+    assert P.levels_of(edits) == [("code_edit", 1), ("code_edit", 2)]  # c = 1 not twice
+    none, _ = P.parse_args(["--workloads", "open_chat", "--concurrency", "2", "--no-code-edit-c1"])
+    assert P.levels_of(none) == [("open_chat", 2)]
+    for wrong in ("chat", ""):
+        with pytest.raises(SystemExit):
+            P.parse_args(["--workloads", wrong])
+
+
+def test_bench_all_fills_the_cache_with_every_workload_and_measures_each(monkeypatch):
+    """Every prompt of every level's workload is cached once before the first level; each
+    workload is measured at each concurrency, then code edit at c = 1."""
+    filled, measured = [], []
+
+    @contextlib.contextmanager
+    def server(config, timeout):
+        yield "http://x"
+
+    class Models:
+        def json(self):
+            return {"data": [{"id": "m"}]}
+
+    async def fill(url, headers, model, prompts):
+        filled.extend(prompts)
+
+    async def level(url, headers, model, prompts, c, settings, offset):
+        measured.append((tuple(prompts), c))
+        return [], (0.0, 1.0), None
+
+    monkeypatch.setattr(P, "running_server", server)
+    monkeypatch.setattr(P.httpx, "get", lambda *a, **kw: Models())
+    monkeypatch.setattr(P, "operate", lambda *a, **kw: None)
+    monkeypatch.setattr(P, "fill_prefix_cache", fill)
+    monkeypatch.setattr(P, "warm_up", lambda *a: None)
+    monkeypatch.setattr(P, "run_level", level)
+    config = {"engine": {"speculative_config": {"method": "ngram"}}}
+    settings = P.BenchSettings(
+        config, ("off",), (2,), 1.0, 8, True, 0.001, 5.0, workloads=("open_chat", "code_gen")
+    )
+    results = P.bench_all(settings)
+    assert sorted(filled) == sorted(
+        {*W.open_chat_prompts(), *W.code_gen_prompts(), *W.code_edit_prompts()}
+    )
+    assert measured == [
+        (tuple(W.open_chat_prompts()), 2),
+        (tuple(W.code_gen_prompts()), 2),
+        (tuple(W.code_edit_prompts()), 1),
+    ]
+    assert [(r.workload, r.concurrency) for r in results] == [
+        ("open_chat", 2),
+        ("code_gen", 2),
+        ("code_edit", 1),
+    ]
+
+
+def test_report_has_a_table_and_a_comparison_per_workload():
+    levels = [
+        _level(mode, c, tps * scale, workload=w)
+        for w, scale in (("mixed", 1.0), ("code_gen", 2.0))
+        for c in (1, 4)
+        for mode, tps in (("off", 10.0), ("auto", 12.0))
+    ]
+    levels += [_level("off", c, 10.0, "code_edit") for c in (1, 4)]
+    levels += [_level("auto", 1, 16.0, "code_edit"), _level("auto", 4, 30.0, "code_edit")]
+    text = PR.report(levels)
+    headings = [line for line in text.splitlines() if line.endswith(":")]
+    assert headings == [
+        "Mixed workload (code edit + open chat):",
+        "Code generation (functions to complete):",
+        "Code edit only:",
+    ]
+    assert "c=4: auto vs best(off): +20.0% median" in text  # mixed: unprefixed, as before
+    assert "code_gen c=4: auto vs best(off): +20.0% median" in text
+    assert "code_edit c=4: auto vs best(off): +200.0% median" in text
+    targets = PR.check_targets(levels)
+    assert targets["code_edit_c1_auto_over_off"] == pytest.approx(1.6)  # c = 1's, not c = 4's
+    assert set(targets["auto_vs_best"]) == {1, 4}  # the target stays on the mixed workload
+    assert "Code edit only, concurrency 1:" in PR.report([x for x in levels if x.concurrency == 1])
 
 
 def test_server_config_starts_in_auto_with_a_key_and_admits_every_client(monkeypatch):
