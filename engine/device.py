@@ -24,11 +24,27 @@ import torch
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. On CUDA the copy goes through pinned memory and does not block
-    the host: the stream orders it before the kernels that read it. On CPU: the tensor itself."""
+    """A host tensor on `device`: the one way a step's host data (token ids, positions, slots,
+    block tables, row indices) reaches the device. On CPU: the tensor itself.
+
+    On CUDA the values are staged in pinned memory and copied without blocking the host (a copy
+    from pageable memory would wait for the device). Why nothing needs to wait for that copy:
+    - its readers: it is queued on the current stream, and the kernels that read the result are
+      queued after it on the same stream, so they run once it is done;
+    - its source: the staging tensor is a fresh block of torch's caching host allocator, never a
+      buffer reused from step to step. torch's non-blocking copy records an event for that block
+      on the copying stream, and the allocator hands the block out again only once the event has
+      passed, so dropping the staging tensor on return cannot let a later step's staging
+      overwrite it while this copy may still read it;
+    - `host` itself is read only by the host-side copy into the staging block, done before this
+      returns: the caller may change or free it at once (even when `host` is pinned itself).
+    A pinned buffer that IS reused (the CUDA graphs' metadata mirrors) needs a fence of its own
+    before it is rewritten (engine.cuda_graphs)."""
     if device.type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(host.shape, dtype=host.dtype, device="cpu", pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
 
 
 class Device:

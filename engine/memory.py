@@ -12,7 +12,8 @@ after every weight is loaded:
   capped at what `max_num_seqs` full-length sequences need.
 - `num_kv_blocks` skips the budget: both models get that many blocks.
 
-The reserve counts one eager step's activations per model and, where CUDA graphs will be
+The reserve counts one eager step's activations per model, the torch attention backend's
+per-layer gather of context K/V (`gather_workspace_bytes`) and, where CUDA graphs will be
 captured, the graph pool's activations for the largest captured step. Each model's KV has one
 extra pad block outside the budget (a few MiB at most).
 
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.attention.torch_attn import TorchAttentionBackend
 from engine.cuda_graphs import MAX_CAPTURE_TOKENS
 
 if TYPE_CHECKING:
@@ -57,9 +59,9 @@ def activation_bytes(
     each); the fused qkv output and the attention output ([T, q + 2 kv] and [T, q]); the fused
     gate_up output and its activation ([T, 2 intermediate] and [T, intermediate]). Layers run
     one after another, so one layer's worth is live. Logits term: the logits in the model's
-    dtype plus three float32 copies of them in sampling (_FLOAT32_LOGIT_COPIES). Not counted: a
-    torch attention backend's per-layer gather of the context K/V (flash_attn, the CUDA default,
-    reads the paged cache in place); gpu_memory_utilization's headroom covers the rest."""
+    dtype plus three float32 copies of them in sampling (_FLOAT32_LOGIT_COPIES). The torch
+    attention backend's gather of context K/V is counted apart (`gather_workspace_bytes`);
+    gpu_memory_utilization's headroom covers the rest."""
     q_size = model_config.num_heads * model_config.head_dim
     kv_size = model_config.num_kv_heads * model_config.head_dim
     per_token = (
@@ -67,6 +69,20 @@ def activation_bytes(
     )
     per_row = model_config.vocab_size * (itemsize + 4 * _FLOAT32_LOGIT_COPIES)
     return num_tokens * itemsize * per_token + num_logit_rows * per_row
+
+
+def gather_workspace_bytes(runner: ModelRunner, max_len: int) -> int:
+    """Peak bytes of context K and V a layer of `runner` gathers at once (0 for backends that
+    read the paged cache in place): the torch backend bounds its gather to
+    `max_gathered_tokens(max_len)` tokens of K and as many of V (engine/attention/torch_attn.py),
+    however many sequences and tokens the step has."""
+    backend = runner.backend
+    # The cpu backend subclasses torch's but reads the cache in place (and runs only on CPU).
+    if not isinstance(backend, TorchAttentionBackend) or backend.name != "torch":
+        return 0
+    cfg = runner.model_config
+    token_bytes = cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize  # one token's K
+    return 2 * backend.max_gathered_tokens(max_len) * token_bytes
 
 
 @dataclass(frozen=True)
@@ -164,6 +180,9 @@ def plan_for(
         )
         for r in runners
     )
+    # The gather lives inside one layer's attention and models run their forwards one after
+    # another, so the largest model's workspace is the most that is ever alive.
+    reserve += max(gather_workspace_bytes(r, max_len) for r in runners)
     # Captured CUDA graphs keep their own pool of activations for the largest captured step,
     # alive beside the eager steps' (engine.cuda_graphs; flash_attn is the backend they need).
     device = runners[0].device

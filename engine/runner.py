@@ -153,4 +153,7 @@ class ModelRunner:
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
         if not step.logit_rows:
             return None
-        return self.model.compute_logits(hidden[step.logit_rows])  # [num_logits, vocab_size]
+        # Indexing a device tensor with a Python list copies the list to the device from
+        # pageable memory, blocking; the rows go through to_device like the other step inputs.
+        rows = self.device.tensor(step.logit_rows, torch.int64)  # [num_logits]
+        return self.model.compute_logits(hidden[rows])  # [num_logits, vocab_size]

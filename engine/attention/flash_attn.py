@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import BatchLayout
+from engine.device import to_device
 
 PAGE_SIZE_MULTIPLE = 256
 
@@ -62,13 +63,15 @@ class FlashAttentionBackend:
         for i, blocks in enumerate(layout.block_tables):
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32, device="cpu")
         zero = torch.zeros(1, dtype=torch.int32, device="cpu")
+        # Built on the host, moved by to_device: pinned and non-blocking on CUDA, so the step's
+        # metadata never waits for the device (a pageable .to(device) would).
         return FlashAttentionMetadata(
-            slot_mapping=layout.slot_mapping.to(device),
-            cu_seqlens_q=torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]).to(device),
-            cu_seqlens_k=torch.cat([zero, k_lens.cumsum(0, dtype=torch.int32)]).to(device),
+            slot_mapping=to_device(layout.slot_mapping, device),
+            cu_seqlens_q=to_device(torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)]), device),
+            cu_seqlens_k=to_device(torch.cat([zero, k_lens.cumsum(0, dtype=torch.int32)]), device),
             max_seqlen_q=max(layout.query_lens),
             max_seqlen_k=max(layout.seq_lens),
-            block_table=table.to(device),
+            block_table=to_device(table, device),
         )
 
     def allocate_static_metadata(

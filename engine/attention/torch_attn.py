@@ -1,13 +1,21 @@
 """Reference paged attention in plain torch: gather K/V through the block tables, masked SDPA.
 
-Two paths share one contract. When every request has the same number of query tokens (all decode,
-or all verifying the same number of drafts) the batch is padded to the longest context and run as
-one SDPA call. Otherwise (prefill chunks mixed with decodes) each request runs its own SDPA call
-over its own context. Both gather K/V with one index per layer from slot indices built once per step.
+The requests of a step are attended in groups, one SDPA call per group over K/V gathered for that
+group alone:
+- when every request has the same number of query tokens (all decode, or all verifying the same
+  number of drafts), consecutive requests share a group, padded to the group's longest context;
+- otherwise (prompt chunks mixed with decodes) each request is a group of its own.
+The gathered K/V are the one cost here that grows with the batch's contexts, so they are bounded:
+a group's padded length times its requests stays within the backend's `workspace_tokens`, unless
+a single request's context is longer, which is then gathered alone. So a layer never holds more
+than `max_gathered_tokens(longest context)` tokens of gathered K (and as many of V), whatever the
+batch: the workspace engine/memory.py reserves for this backend. Index tensors are built once per
+step and reused by every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,25 +24,75 @@ import torch.nn.functional as F
 from engine.attention.base import BatchLayout
 from engine.device import to_device
 
+# Context tokens one layer's gather may hold for a group of requests (of K; as many of V). 128 MiB
+# of K and V together for Llama-3.1-8B in bf16 (8 KV heads of 128): a decode batch of 64 requests
+# of 512 tokens or 8 of 4k is still one SDPA call.
+GATHER_WORKSPACE_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests attended by one SDPA call: their query rows in the step and their contexts."""
+
+    start: int  # first query row of the group in the step
+    end: int  # one past its last query row
+    ctx_slots: torch.Tensor  # [num_group_reqs, max_seq_len] int64 (padded with slot 0)
+    mask: torch.Tensor | None  # [num_group_reqs, 1, query_len, max_seq_len] bool; None: see all
+
 
 @dataclass(frozen=True)
 class TorchAttentionMetadata:
     """Index tensors for one step, built once and reused by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    # Uniform path: every request has query_len tokens.
-    ctx_slots: torch.Tensor | None  # [num_reqs, max_seq_len] int64 (padded with slot 0)
-    mask: torch.Tensor | None  # [num_reqs, 1, query_len, max_seq_len] bool, None = attend to all
-    # Ragged path: per request (query start, query end, context slots, causal mask or None).
-    ragged: tuple[tuple[int, int, torch.Tensor, torch.Tensor | None], ...]
+    groups: tuple[AttentionGroup, ...]
 
 
-def _causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
-    """[query_len, seq_len] bool: query i sits at position seq_len - query_len + i."""
-    if query_len == 1:
+def group_requests(
+    query_lens: Sequence[int], seq_lens: Sequence[int], workspace_tokens: int
+) -> list[tuple[int, int]]:
+    """Consecutive request ranges [first, last) attended together: all requests one query length
+    and every group's (longest context x requests) within workspace_tokens, a request longer than
+    that alone; requests of different query lengths one by one."""
+    if len(set(query_lens)) > 1:
+        return [(i, i + 1) for i in range(len(query_lens))]
+    groups, first, longest = [], 0, 0
+    for i, seq_len in enumerate(seq_lens):
+        if i > first and max(longest, seq_len) * (i + 1 - first) > workspace_tokens:
+            groups.append((first, i))
+            first, longest = i, 0
+        longest = max(longest, seq_len)
+    groups.append((first, len(seq_lens)))
+    return groups
+
+
+def _context_slots(layout: BatchLayout, first: int, last: int) -> torch.Tensor:
+    """[last - first, longest context] int64 on the host: the cache slot of every context
+    position of requests first .. last - 1, padded with slot 0 (masked, or past the context)."""
+    bs = layout.block_size
+    seq_lens = layout.seq_lens[first:last]
+    offsets = torch.arange(bs, dtype=torch.int64, device="cpu")  # [block_size]
+    slots = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64, device="cpu")
+    for row, (table, seq_len) in enumerate(
+        zip(layout.block_tables[first:last], seq_lens, strict=True)
+    ):
+        blocks = torch.tensor(table[: -(-seq_len // bs)], dtype=torch.int64, device="cpu")
+        slots[row, :seq_len] = (blocks[:, None] * bs + offsets[None, :]).flatten()[:seq_len]
+    return slots
+
+
+def _causal_mask(
+    query_len: int, seq_lens: Sequence[int], device: torch.device
+) -> torch.Tensor | None:
+    """[len(seq_lens), 1, query_len, max(seq_lens)] bool: "key position <= query position", which
+    also masks the padding past each request's own context; None when nothing needs masking
+    (one query per request, every context the padded length)."""
+    if query_len == 1 and len(set(seq_lens)) == 1:
         return None
-    rows = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
-    return torch.arange(seq_len, device=device)[None, :] <= rows
+    lens = to_device(torch.tensor(seq_lens, dtype=torch.int64, device="cpu"), device)  # [g]
+    q_pos = lens[:, None] - query_len + torch.arange(query_len, device=device)[None, :]
+    k_pos = torch.arange(max(seq_lens), device=device)  # [max_seq_len]
+    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
 class TorchAttentionBackend:
@@ -42,48 +100,27 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self, workspace_tokens: int = GATHER_WORKSPACE_TOKENS) -> None:
+        self.workspace_tokens = workspace_tokens
+
+    def max_gathered_tokens(self, max_seq_len: int) -> int:
+        """The most context tokens of K (and as many of V) one layer gathers at once in a step
+        whose longest context is max_seq_len."""
+        return max(self.workspace_tokens, max_seq_len)
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
-        bs = layout.block_size
-        per_req_slots = []
-        for table, seq_len in zip(layout.block_tables, layout.seq_lens, strict=True):
-            blocks = torch.tensor(
-                table[: (seq_len + bs - 1) // bs], dtype=torch.int64, device="cpu"
-            )
-            offsets = torch.arange(bs, device="cpu")
-            slots = (blocks[:, None] * bs + offsets[None, :]).flatten()[:seq_len]
-            per_req_slots.append(to_device(slots, device))
-
-        if len(set(layout.query_lens)) == 1:
-            return self._uniform(layout, per_req_slots, device)
-        ragged = []
+        groups = []
         start = 0
-        for query_len, seq_len, slots in zip(
-            layout.query_lens, layout.seq_lens, per_req_slots, strict=True
+        for first, last in group_requests(
+            layout.query_lens, layout.seq_lens, self.workspace_tokens
         ):
-            ragged.append(
-                (start, start + query_len, slots, _causal_mask(query_len, seq_len, device))
-            )
-            start += query_len
-        slot_mapping = to_device(layout.slot_mapping, device)
-        return TorchAttentionMetadata(slot_mapping, None, None, tuple(ragged))
-
-    def _uniform(
-        self, layout: BatchLayout, per_req_slots: list[torch.Tensor], device: torch.device
-    ) -> TorchAttentionMetadata:
-        query_len = layout.query_lens[0]
-        max_len = max(layout.seq_lens)
-        ctx_slots = torch.zeros(layout.num_reqs, max_len, dtype=torch.int64, device=device)
-        for i, slots in enumerate(per_req_slots):
-            ctx_slots[i, : slots.numel()] = slots
-        mask = None
-        if len(set(layout.seq_lens)) > 1 or query_len > 1:
-            seq_lens = to_device(torch.tensor(layout.seq_lens, device="cpu"), device)
-            # Position of each query row, then "key position <= query position" (which also masks
-            # the padding past each request's own context).
-            q_pos = seq_lens[:, None] - query_len + torch.arange(query_len, device=device)[None, :]
-            k_pos = torch.arange(max_len, device=device)
-            mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
-        return TorchAttentionMetadata(to_device(layout.slot_mapping, device), ctx_slots, mask, ())
+            query_len = layout.query_lens[first]
+            end = start + query_len * (last - first)
+            ctx_slots = to_device(_context_slots(layout, first, last), device)
+            mask = _causal_mask(query_len, layout.seq_lens[first:last], device)
+            groups.append(AttentionGroup(start, end, ctx_slots, mask))
+            start = end
+        return TorchAttentionMetadata(to_device(layout.slot_mapping, device), tuple(groups))
 
     def forward(
         self,
@@ -100,24 +137,27 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, metadata.slot_mapping, key)
         v_flat.index_copy_(0, metadata.slot_mapping, value)
-
-        if metadata.ctx_slots is not None:
-            num_reqs = metadata.ctx_slots.shape[0]
-            q = query.view(num_reqs, -1, *query.shape[1:]).transpose(1, 2)  # [B, H, q_len, D]
-            k = k_flat[metadata.ctx_slots].transpose(1, 2)  # [B, KVH, max_seq_len, D]
-            v = v_flat[metadata.ctx_slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=metadata.mask, scale=scale, enable_gqa=True
-            )
-            return out.transpose(1, 2).reshape(query.shape)
-
         out = torch.empty_like(query)
-        for start, end, slots, mask in metadata.ragged:
-            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            k = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, seq_len, D]
-            v = v_flat[slots].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-            out[start:end] = o[0].transpose(0, 1)
+        for group in metadata.groups:
+            rows = slice(group.start, group.end)
+            out[rows] = _attend(query[rows], k_flat, v_flat, group, scale)
         return out
+
+
+def _attend(
+    query: torch.Tensor,  # [num_group_tokens, num_heads, head_dim]
+    k_flat: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_flat: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:  # [num_group_tokens, num_heads, head_dim]
+    """One group's SDPA. Its gathered K/V are locals, freed on return: only one group's gather
+    is alive at a time."""
+    num_reqs = group.ctx_slots.shape[0]
+    q = query.view(num_reqs, -1, *query.shape[1:]).transpose(1, 2)  # [g, H, q_len, D]
+    k = k_flat[group.ctx_slots].transpose(1, 2)  # [g, KVH, max_seq_len, D]
+    v = v_flat[group.ctx_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+    )  # [g, H, q_len, D]
+    return out.transpose(1, 2).reshape(query.shape)

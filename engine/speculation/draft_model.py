@@ -246,13 +246,17 @@ class DraftModelProposer:
         # Early exit: a token the draft itself gives little probability is likely rejected, and
         # every further draft forward would build on it. Stopping depends only on the draft's
         # own samples, so verification stays exact.
-        confident = (probs.gather(1, token_ids[:, None])[:, 0] >= self.min_confidence).tolist()
+        confident = probs.gather(1, token_ids[:, None])[:, 0] >= self.min_confidence  # [num_active]
+        # One device-to-host read for the whole draft step, ids and flags together: reading a
+        # CUDA tensor on the host waits for the device, so a read per request would be a sync
+        # per request per draft step.
+        host_ids, host_confident = torch.stack([token_ids, confident.to(token_ids.dtype)]).tolist()
         for i, (request, _) in enumerate(active):
             ids, dists = drafted[request.request_id]
-            ids.append(int(token_ids[i]))
+            ids.append(host_ids[i])
             if not request.params.is_greedy:
                 dists.append(probs[i])
-        return [r.request_id for i, (r, _) in enumerate(active) if not confident[i]]
+        return [r.request_id for i, (r, _) in enumerate(active) if not host_confident[i]]
 
     def _draft(
         self, request: Request, drafted: dict[str, tuple[list[int], list[torch.Tensor]]]

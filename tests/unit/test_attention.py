@@ -1,5 +1,6 @@
-"""The CPU paged-attention backends equal dense causal attention: torch on both of its paths,
-cpu (our kernel for decode and verify steps, torch's path for longer queries) on all of them."""
+"""The CPU paged-attention backends equal dense causal attention: torch however it groups the
+requests (and its per-layer gather stays within the workspace the memory plan reserves), cpu
+(our kernel) on every step."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import dataclasses
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.attention import BACKENDS, get_attention_backend
 from engine.attention.cpu_paged import CpuPagedMetadata
+from engine.attention.torch_attn import (
+    GATHER_WORKSPACE_TOKENS,
+    TorchAttentionBackend,
+    group_requests,
+)
 from engine.kernels import cpu_kernels
 from tests.attention_cases import dense_reference, make_case
 
@@ -105,3 +112,60 @@ def test_auto_on_cpu_is_the_kernel_backend_where_it_builds(monkeypatch):
     unbuilt = dataclasses.replace(BACKENDS["cpu"], is_available=lambda: False)
     monkeypatch.setitem(BACKENDS, "cpu", unbuilt)
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+# ------------------------------------------------------------------------------ torch's gather
+
+
+class GatherRecorder(TorchFunctionMode):
+    """Records the bytes of every gather from the paged caches: an index into a view of a cache
+    that copies (a gather) rather than views it."""
+
+    def __init__(self, *caches: torch.Tensor) -> None:
+        super().__init__()
+        self.storages = {c.untyped_storage().data_ptr() for c in caches}
+        self.sizes: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            getattr(func, "__name__", None) == "__getitem__"
+            and args[0].untyped_storage().data_ptr() in self.storages
+            and out.untyped_storage().data_ptr() not in self.storages
+        ):
+            self.sizes.append(out.numel() * out.element_size())
+        return out
+
+
+def test_requests_are_grouped_within_the_workspace():
+    # Equal query lengths: consecutive requests while (longest context x requests) fits.
+    assert group_requests([1] * 4, [10, 30, 5, 50], 60) == [(0, 2), (2, 3), (3, 4)]
+    assert group_requests([4] * 3, [10, 10, 10], 30) == [(0, 3)]
+    # A context longer than the workspace is gathered alone.
+    assert group_requests([1] * 3, [100, 5, 5], 60) == [(0, 1), (1, 3)]
+    # Mixed query lengths: one request at a time.
+    assert group_requests([3, 1], [10, 10], 1000) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("workspace", [8, 40, GATHER_WORKSPACE_TOKENS])
+@pytest.mark.parametrize("name", [*CASES, "many_decodes"])
+def test_torch_backend_gathers_within_its_workspace_and_matches_dense(name, workspace):
+    """However the requests are grouped, the output is dense attention's, and no gather holds
+    more context tokens than `max_gathered_tokens` allows (the plan reserves that many)."""
+    query_lens, context_lens = CASES.get(name, ([1] * 12, [5, 9, 14, 3, 11, 7, 15, 6, 2, 13, 8, 4]))
+    case = make_case(query_lens, context_lens, 4, seed=workspace)
+    backend = TorchAttentionBackend(workspace_tokens=workspace)
+    meta = backend.build_metadata(case.layout, torch.device("cpu"))
+    scale = 16**-0.5
+    with GatherRecorder(case.k_cache, case.v_cache) as gathers:
+        out = backend.forward(
+            case.query, case.key, case.value, case.k_cache, case.v_cache, meta, scale
+        )
+    torch.testing.assert_close(out, dense_reference(case, scale), atol=1e-5, rtol=1e-5)
+    token_bytes = case.k_cache[0, 0].numel() * case.k_cache.element_size()  # one token's K
+    limit = backend.max_gathered_tokens(max(case.layout.seq_lens)) * token_bytes
+    assert max(gathers.sizes) <= limit
+    groups = group_requests(case.layout.query_lens, case.layout.seq_lens, workspace)
+    assert len(gathers.sizes) == 2 * len(groups)  # K and V of every group, once
+    if name == "many_decodes" and workspace == 40:  # groups of several requests, and several
+        assert 1 < len(groups) < 12

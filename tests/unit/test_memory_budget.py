@@ -8,14 +8,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from engine.attention.base import BatchLayout
+from engine.attention.torch_attn import TorchAttentionBackend
 from engine.memory import (
     DEFAULT_CPU_KV_MEMORY,
     GiB,
+    KVPlan,
     activation_bytes,
+    plan_for,
     plan_kv_cache,
     release_freed_heap,
 )
+from tests.unit.test_attention import GatherRecorder
 
 MiB = 2**20
 
@@ -95,6 +101,66 @@ def test_activation_reserve_formula():
     # Layer: 3*4096 + 2*4096 + 2*1024 + 3*14336 = 65536 values a token; logits: bf16 + 3 fp32.
     expected = 2048 * 2 * 65536 + 512 * 128256 * (2 + 12)
     assert activation_bytes(cfg, 2, num_tokens=2048, num_logit_rows=512) == expected
+
+
+def _gpu_plan(backend: object, max_len: int) -> KVPlan:
+    """plan_for on an 80 GiB device with 20 GiB in use, for one float32 model with 1 KV head of
+    4 (16 bytes of K a token) whose attention is `backend`."""
+    cfg = SimpleNamespace(
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=100,
+    )
+    device = SimpleNamespace(is_cuda=True, memory_info=lambda: (60 * GiB, 80 * GiB))
+    runner = SimpleNamespace(
+        kv_bytes_per_block=MiB,
+        model_config=cfg,
+        dtype=torch.float32,
+        backend=backend,
+        device=device,
+    )
+    config = SimpleNamespace(
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        block_size=16,
+        enforce_eager=True,
+        attention_backend=backend.name,  # type: ignore[attr-defined]
+        num_kv_blocks=None,
+        kv_cache_memory=None,
+        gpu_memory_utilization=0.9,
+    )
+    return plan_for(config, [runner], max_len, max_num_drafts=0)  # type: ignore[arg-type]
+
+
+def test_the_plan_reserves_what_the_torch_backend_gathers():
+    """A decode step of 5 requests of 8000 tokens (40k context tokens, past the torch backend's
+    workspace): the K and V one layer gathers fit in what the plan reserves for the torch
+    backend beyond a backend that reads the paged cache in place (flash_attn)."""
+    block_size, num_reqs, seq_len = 16, 5, 8000
+    num_blocks = seq_len // block_size
+    tables = tuple(tuple(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(num_reqs))
+    layout = BatchLayout(
+        query_lens=(1,) * num_reqs,
+        seq_lens=(seq_len,) * num_reqs,
+        block_tables=tables,
+        slot_mapping=torch.tensor([t[-1] * block_size + block_size - 1 for t in tables]),
+        block_size=block_size,
+    )
+    gen = torch.Generator().manual_seed(0)
+    cache_shape = (num_reqs * num_blocks, block_size, 1, 4)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
+    query, key, value = (torch.randn(num_reqs, n, 4, generator=gen) for n in (2, 1, 1))
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(layout, torch.device("cpu"))
+    with GatherRecorder(k_cache, v_cache) as gathers:
+        backend.forward(query, key, value, k_cache, v_cache, meta, 0.5)
+    peak = 2 * max(gathers.sizes)  # one group's K and V are alive together
+    flash = SimpleNamespace(name="flash_attn")
+    reserved = _gpu_plan(flash, seq_len).budget - _gpu_plan(backend, seq_len).budget
+    assert 0 < peak <= reserved
 
 
 def _resident_bytes() -> int:
