@@ -8,12 +8,17 @@ before the replay, and the step is padded to a captured size.
 
 - Buckets: padded token counts 1, 2, 4, then multiples of 8 up to 256, then of 32 (`capture_sizes`).
   Decode graphs (max_seqlen_q 1) go up to min(max_num_seqs, max_num_batched_tokens); verify graphs
-  (max_seqlen_q 1 + K, K the most draft tokens a step verifies) from 2 up to
-  min(max_num_seqs * (1 + K), max_num_batched_tokens). Both stop at MAX_CAPTURE_TOKENS: past a
-  few hundred tokens a step is compute-bound, and launches no longer matter.
-- A step replays the smallest bucket that holds it: decode graphs for an all-decode step, verify
-  graphs when some sequence has more than one token. A step with a prompt chunk (a chunk that
-  needs fewer logits than it has tokens), or bigger than every bucket, runs eagerly.
+  (max_seqlen_q q: 1 + K for the target, K the most draft tokens a step verifies; K + 2 for a
+  draft model, `draft_max_query_len`) from 2 up to min(max_num_seqs * (1 + K),
+  max_num_batched_tokens), the most tokens the memory plan reserves a captured step's
+  activations for (engine.memory.plan_for). Both stop at MAX_CAPTURE_TOKENS: past a few hundred
+  tokens a step is compute-bound, and launches no longer matter.
+- A step replays the smallest bucket that holds it (`choose_bucket`): decode graphs when every
+  sequence has one token, verify graphs when some has more, up to q. Which rows need logits does
+  not matter to the captured body (every row's hidden state is computed; attention is causal
+  per sequence either way), so a chunk with fewer logits than tokens (a short prompt tail, a
+  draft model's catch-up) replays too, and `forward` keeps only the rows asked for. A step with a
+  longer chunk, or bigger than every bucket, runs eagerly.
 - Padding: padded tokens are token 0 at position 0 and write their K/V only into the runner's
   `pad_block`, a block no request owns; the attention backend lays out the padded step
   (`StaticFlashMetadata`). Output rows of padded tokens are dropped.
@@ -54,6 +59,13 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_TOKENS = 512
 
 
+# A draft model's first forward of a step gives a drafting request the tokens the draft has not
+# seen: its last token and the bonus after a full accept (2), up to 1 + K + 1 after a step whose
+# K drafts another proposer (n-gram) made and the target all accepted. Its graphs take this
+# many tokens more per sequence than the target's verify graphs; longer catch-up runs eagerly.
+DRAFT_QUERY_MARGIN = 1
+
+
 class _NotCaptured(enum.Enum):
     NOT_CAPTURED = "not captured"
 
@@ -69,6 +81,55 @@ def capture_sizes(cap: int, smallest: int = 1) -> tuple[int, ...]:
     if cap >= smallest:
         sizes.add(cap)
     return tuple(sorted(sizes))
+
+
+def verify_query_len(config: EngineConfig) -> int:
+    """The longest query one sequence has in a served decode/verify step of the target: 1 + the
+    speculative config's num_speculative_tokens (1 without speculation)."""
+    spec = config.speculative_config
+    assert spec is None or isinstance(spec, SpeculativeConfig)
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
+
+
+def draft_max_query_len(num_speculative_tokens: int) -> int:
+    """The longest query per sequence a draft model's captured graphs take: its first forward of
+    a step after accepted drafts (see DRAFT_QUERY_MARGIN)."""
+    return 1 + num_speculative_tokens + DRAFT_QUERY_MARGIN
+
+
+def graph_sizes(config: EngineConfig, max_query_len: int) -> dict[int, tuple[int, ...]]:
+    """max query length -> the padded token counts to capture with it (see the module's
+    docstring). Every size stays within the memory plan's captured step: at most
+    max_num_seqs * verify_query_len(config) tokens, max_num_batched_tokens and
+    MAX_CAPTURE_TOKENS, whatever max_query_len is."""
+    limit = min(
+        config.max_num_batched_tokens,
+        MAX_CAPTURE_TOKENS,
+        config.max_num_seqs * verify_query_len(config),
+    )
+    sizes = {1: capture_sizes(min(config.max_num_seqs, limit))}
+    verify = capture_sizes(min(config.max_num_seqs * max_query_len, limit), smallest=2)
+    if max_query_len > 1 and verify:
+        sizes[max_query_len] = verify
+    return sizes
+
+
+def choose_bucket(
+    sizes: Mapping[int, Sequence[int]], max_model_len: int, chunks: Sequence[SeqChunk]
+) -> Bucket | None:
+    """The smallest bucket of `sizes` (max query length -> sorted token counts, shortest query
+    first) that holds this step, or None (run it eagerly): every chunk within the longest
+    context and the bucket's query length, all tokens within its count. A chunk's num_logits
+    does not matter (see the module's docstring)."""
+    if not chunks or any(c.start + len(c.token_ids) > max_model_len for c in chunks):
+        return None
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    longest = max(len(c.token_ids) for c in chunks)
+    for max_query_len, counts in sorted(sizes.items()):
+        i = bisect.bisect_left(counts, num_tokens)
+        if longest <= max_query_len and i < len(counts):
+            return Bucket(max_query_len, counts[i])
+    return None
 
 
 class Graph(Protocol):
@@ -170,7 +231,8 @@ class CudaGraphs:
 
     `runner` provides model, rope, kv_caches, backend (a GraphableBackend), block_size,
     pad_block, dtype and device (an engine.device.Device). `sizes` maps a max query length to
-    the padded token counts captured with it (1: decode graphs; 1 + K: verify graphs)."""
+    the padded token counts captured with it (1: decode graphs; more: verify graphs, or a draft
+    model's first forwards)."""
 
     def __init__(self, runner: Any, sizes: Mapping[int, Sequence[int]], capture: CaptureDevice):
         assert sizes and all(sizes.values()), "nothing to capture"
@@ -202,22 +264,13 @@ class CudaGraphs:
 
     def bucket(self, chunks: Sequence[SeqChunk]) -> Bucket | None:
         """The smallest captured bucket that holds this step, or None (run it eagerly)."""
-        if not chunks or any(c.num_logits != len(c.token_ids) for c in chunks):
-            return None  # a prompt chunk: not a decode/verify step
-        if any(c.start + len(c.token_ids) > self.max_model_len for c in chunks):
-            return None
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        longest = max(len(c.token_ids) for c in chunks)
-        for max_query_len, sizes in self._sizes.items():
-            i = bisect.bisect_left(sizes, num_tokens)
-            if longest <= max_query_len and i < len(sizes):
-                return Bucket(max_query_len, sizes[i])
-        return None
+        return choose_bucket(self._sizes, self.max_model_len, chunks)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | _NotCaptured:
-        """Replay the step's bucket -> logits [num_tokens, vocab_size] (float32), rows in
-        chunk order as ModelRunner.forward returns them; NOT_CAPTURED when no bucket holds it."""
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None | _NotCaptured:
+        """Replay the step's bucket -> logits [sum of num_logits, vocab_size] (float32), rows in
+        chunk order, or None when no chunk asks for logits, as ModelRunner.forward returns
+        them; NOT_CAPTURED when no bucket holds the step."""
         bucket = self.bucket(chunks)
         if bucket is None:
             return NOT_CAPTURED
@@ -227,7 +280,12 @@ class CudaGraphs:
         captured = self._graphs[bucket]
         captured.graph.replay()
         hidden = captured.hidden[: layout.num_tokens]  # [num_tokens, hidden_size]
-        return self._runner.model.compute_logits(hidden)  # [num_tokens, vocab_size]
+        if not step.logit_rows:
+            return None
+        if len(step.logit_rows) < layout.num_tokens:  # some chunk is prompt-like: its rows
+            rows = self._runner.device.tensor(step.logit_rows, torch.int64)  # [num_logits]
+            hidden = hidden[rows]  # [num_logits, hidden_size]
+        return self._runner.model.compute_logits(hidden)  # [num_logits, vocab_size]
 
     def _load(
         self, layout: BatchLayout, token_ids: list[int], positions: list[int], num_tokens: int
@@ -289,24 +347,16 @@ def make_cuda_graphs(
     data-dependent shapes). Call it once the KV cache is allocated, and never replace the KV
     tensors afterwards.
 
-    `max_query_len`: the longest query a captured step may give one sequence; default 1 + the
-    speculative config's num_speculative_tokens (1 without speculation: decode graphs only;
-    pass 1 for a draft model's runner, whose multi-token forwards are catch-up prompt chunks).
-    `capture`: the CUDA primitives (tests pass a CPU fake)."""
+    `max_query_len`: the longest query a captured step may give one sequence; default
+    `verify_query_len(config)` (1 without speculation: decode graphs only; a draft model's
+    runner passes `draft_max_query_len`). The token counts stay within the memory plan whatever
+    it is (`graph_sizes`). `capture`: the CUDA primitives (tests pass a CPU fake)."""
     if config.enforce_eager or not runner.device.is_cuda:
         return None
     if not isinstance(runner.backend, GraphableBackend):
         logger.info("attention backend %s runs eagerly: no CUDA graphs", runner.backend.name)
         return None
-    if max_query_len is None:
-        spec = config.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig)
-        max_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-    limit = min(config.max_num_batched_tokens, MAX_CAPTURE_TOKENS)
-    sizes = {1: capture_sizes(min(config.max_num_seqs, limit))}
-    verify = capture_sizes(min(config.max_num_seqs * max_query_len, limit), smallest=2)
-    if max_query_len > 1 and verify:
-        sizes[max_query_len] = verify
+    sizes = graph_sizes(config, max_query_len or verify_query_len(config))
     start = time.perf_counter()
     before = runner.device.memory_info()
     graphs = CudaGraphs(runner, sizes, capture or CudaCaptureDevice(runner.device.torch))

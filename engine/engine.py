@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import draft_max_query_len
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kernels import cpu_kernels
 from engine.loading import load_draft_runner, maybe_load_tokenizer
@@ -94,8 +95,11 @@ class LLMEngine:
         with startup_phase("KV cache"):  # with the CUDA graphs' capture on a GPU
             self.runner.allocate_kv_cache(num_blocks)
             if self.draft_runner is not None:
-                # The draft's multi-token forwards are catch-up prompt chunks: decode graphs only.
-                self.draft_runner.allocate_kv_cache(num_blocks, max_query_len=1)
+                # Its first forward of a step (1 + catch-up tokens per drafting request) replays
+                # a graph too, up to draft_max_query_len tokens each; longer catch-up is eager.
+                self.draft_runner.allocate_kv_cache(
+                    num_blocks, max_query_len=draft_max_query_len(num_drafts)
+                )
         log_memory(plan, runners, config.block_size)
         release_freed_heap()  # what loading freed, out of the resident set
         self.block_manager = BlockManager(

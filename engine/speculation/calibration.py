@@ -1,20 +1,28 @@
 """Start-up calibration of the step-time model t(n, context, rows), cached per model and device.
 
-A forward over n query tokens is timed at a grid of n (1 up to the token budget) with a short
-context, and at a few n with a long one for the context slope. Then batches shaped like verify
-steps (several sequences of a few tokens, a logits row for every token) give the cost of a logits
-row beyond the first, which a one-row prompt chunk never pays. The KV the forwards attend to is
-whatever the borrowed blocks hold: timing does not depend on its values. One warm-up forward runs
-first; each point is the minimum of `repeats` timings (the least disturbed by other work), and
-t(1) is timed again after each stage, so its minimum is taken over moments spread through the
-whole calibration.
+A step of n query tokens is timed at a grid of n (1 up to the token budget) with a short
+context, and at a few n with a long one for the context slope, each in the shape a served step of
+n tokens has (`served_query_lens`): n decode rows while n sequences may share a step, verify
+chunks of 1 + K tokens while they fit the sequence budget, one prompt chunk past that. The step
+goes through runner.forward like a served one, so on a GPU it takes the path served steps take:
+decode and verify shapes replay the CUDA graph a served step of that size replays, a step too big
+for a graph runs eagerly like a served one. A grid point computes one logits row (the last
+sequence's last token: the same captured body, only the eager LM head is smaller), so v(n) is the
+one-row cost; batches shaped like verify steps (sequences of 1 + K tokens, a logits row for every
+token, the same graphs) then give the cost of a logits row beyond the first. The KV the forwards
+attend to is whatever the borrowed blocks hold: timing does not depend on its values. One warm-up
+forward runs first; each point is the minimum of `repeats` timings (the least disturbed by other
+work), and t(1) is timed again after each stage, so its minimum is taken over moments spread
+through the whole calibration.
 
 The fit is cached as JSON under <cache root>/calibration/, keyed by the model directory, device
 (for a CPU its model name, threads and our kernels' build and instruction sets: a fit taken on
-another CPU or with other kernels is not this machine's), dtype, quantisation, torch version and
-the grid, so only the first start on a machine pays for it (a few seconds for a 1.5B model on
-CPU); SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement
-(StepTimeModel.observe) starts from it.
+another CPU or with other kernels is not this machine's), dtype, quantisation, torch version, the
+grid and what decides the path and shape of the timed steps (attention backend, enforce_eager,
+the captured CUDA graphs, max_num_seqs and K: a fit taken eagerly is not the graphs' fit), so
+only the first start on a machine pays for it (a few seconds for a 1.5B model on CPU);
+SPECSERVE_CALIBRATION_CACHE=0 turns the cache off. Online refinement (StepTimeModel.observe)
+starts from it.
 
 A fit timed while another job held the machine must not mislead every later start, so:
 - A calibration is not cached when its t(1) timings spread (median over minimum above
@@ -49,6 +57,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import verify_query_len
 from engine.models.bundled import cache_root
 from engine.runner import ModelRunner, SeqChunk
 from engine.speculation.cached_fit import FIT_MARGIN, NUM_CHECK_STEPS, CachedFit
@@ -59,8 +68,8 @@ logger = logging.getLogger(__name__)
 _CALIBRATION_ID = "__calibration__"
 _BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 _LONG_CONTEXT_NS = (1, 4, 8)
-# Verify-shaped batches (sequences, tokens each) that price a logits row.
-_VERIFY_SHAPES = ((1, 8), (4, 4), (8, 4))
+# Sequences in the verify-shaped batches (of 1 + K tokens each) that price a logits row.
+_VERIFY_NUM_SEQS = (1, 4, 8)
 # A calibration whose t(1) timings have a median above this factor of their minimum was disturbed
 # for at least half of them (a quiet machine repeats a forward within a few per cent): not cached.
 QUIET_SPREAD = 1.3
@@ -72,46 +81,65 @@ def calibration_grid(max_num_batched_tokens: int) -> list[int]:
     return [*grid, max_num_batched_tokens]
 
 
-def time_forward(
-    runner: ModelRunner, block_manager: BlockManager, n: int, context: int, repeats: int
+def served_query_lens(n: int, max_num_seqs: int, max_query_len: int) -> list[int]:
+    """The query lengths of the sequences in a served step of n tokens: n decode rows while n
+    sequences fit in a step, else verify chunks of max_query_len tokens (the last one shorter)
+    while they fit, else one prompt chunk (a step that big carries one)."""
+    if n <= max_num_seqs:
+        return [1] * n
+    num_full, rest = divmod(n, max_query_len)
+    if max_query_len > 1 and num_full + (rest > 0) <= max_num_seqs:
+        return [max_query_len] * num_full + ([rest] if rest else [])
+    return [n]
+
+
+def time_step(
+    runner: ModelRunner,
+    block_manager: BlockManager,
+    query_lens: list[int],
+    context: int,
+    repeats: int,
+    every_row: bool = False,
 ) -> float:
-    """Minimum seconds of `repeats` forwards over n tokens after `context` cached positions (one
-    logits row, like a verify of the last tokens). Borrows blocks and returns them."""
-    num_tokens = context + n
-    if not block_manager.allocate_slots(_CALIBRATION_ID, num_tokens):
-        raise RuntimeError(f"calibration needs {num_tokens} KV slots; the pool is too small")
+    """Minimum seconds of `repeats` forwards over one sequence per query length, each after
+    `context` cached positions, through runner.forward as a served step goes (so a runner with
+    CUDA graphs replays one where it would for the served step). One logits row (the last
+    token's), or with `every_row` one per token as a verify step scores them. Borrows blocks and
+    returns them."""
+    ids = [f"{_CALIBRATION_ID}{i}" for i in range(len(query_lens))]
     try:
-        table = block_manager.get_block_table(_CALIBRATION_ID)
-        chunk = SeqChunk([0] * n, context, table, 1)
+        chunks = []
+        for i, (seq_id, n) in enumerate(zip(ids, query_lens, strict=True)):
+            if not block_manager.allocate_slots(seq_id, context + n):
+                raise RuntimeError("calibration needs more KV slots; the pool is too small")
+            table = block_manager.get_block_table(seq_id)
+            num_logits = n if every_row else int(i == len(ids) - 1)
+            chunks.append(SeqChunk([0] * n, context, table, num_logits))
         best = float("inf")
         for _ in range(repeats):
             start = runner.device.now()
-            runner.forward([chunk])
+            runner.forward(chunks)
             best = min(best, runner.device.now() - start)
         return best
     finally:
-        block_manager.free(_CALIBRATION_ID)
+        for seq_id in ids:
+            block_manager.free(seq_id)
+
+
+def time_forward(
+    runner: ModelRunner, block_manager: BlockManager, n: int, context: int, repeats: int
+) -> float:
+    """Minimum seconds of `repeats` forwards of ONE chunk of n tokens after `context` cached
+    positions, one logits row: a draft model's catch-up, which is served in that shape."""
+    return time_step(runner, block_manager, [n], context, repeats)
 
 
 def time_verify_batch(
     runner: ModelRunner, block_manager: BlockManager, num_seqs: int, num_tokens: int
 ) -> float:
     """Seconds of one forward over num_seqs sequences of num_tokens each, every token with its
-    logits row (a verify step's shape). Borrows blocks and returns them."""
-    ids = [f"{_CALIBRATION_ID}{i}" for i in range(num_seqs)]
-    try:
-        chunks = []
-        for seq_id in ids:
-            if not block_manager.allocate_slots(seq_id, num_tokens):
-                raise RuntimeError("calibration needs more KV slots; the pool is too small")
-            table = block_manager.get_block_table(seq_id)
-            chunks.append(SeqChunk([0] * num_tokens, 0, table, num_tokens))
-        start = runner.device.now()
-        runner.forward(chunks)
-        return runner.device.now() - start
-    finally:
-        for seq_id in ids:
-            block_manager.free(seq_id)
+    logits row (a verify step's shape)."""
+    return time_step(runner, block_manager, [num_tokens] * num_seqs, 0, 1, every_row=True)
 
 
 @dataclass(frozen=True)
@@ -147,17 +175,29 @@ def measure(
     batch_timer: Callable[[int, int], float] | None = None,
 ) -> Calibration:
     """Time the grid and fit t(n, context, rows); t(1) is timed again after each stage, and the
-    fit takes the least of its timings. `timer(n, context)` and `batch_timer(num_seqs,
-    num_tokens)` replace real forwards (tests); with a timer and no batch_timer the row cost is
-    left at 0."""
+    fit takes the least of its timings. `timer(n, context)` (a served step of n tokens, shaped
+    by `served_query_lens`, each sequence after `context` cached positions, one logits row) and
+    `batch_timer(num_seqs, num_tokens)` replace real forwards (tests); with a timer and no
+    batch_timer the row cost is left at 0."""
     grid = calibration_grid(min(max_num_batched_tokens, max_model_len))
+    max_query_len = verify_query_len(runner.config)
+    # A served step holds a block per sequence at least: no more sequences than the pool has.
+    max_num_seqs = min(runner.config.max_num_seqs, block_manager.num_blocks)
+
+    def shape(n: int) -> list[int]:
+        return served_query_lens(n, max_num_seqs, max_query_len)
+
+    # Every sequence of the longest long-context step holds that context: half the pool at most.
+    num_long_seqs = max(len(shape(n)) for n in _LONG_CONTEXT_NS)
     long_context = min(
-        max_model_len // 2, 2048, block_manager.num_blocks * block_manager.block_size // 2
+        max_model_len // 2,
+        2048,
+        block_manager.num_blocks * block_manager.block_size // (2 * num_long_seqs),
     )
     if timer is None:
 
         def timer(n: int, context: int) -> float:
-            return time_forward(runner, block_manager, n, context, 1)
+            return time_step(runner, block_manager, shape(n), context, 1)
 
         timer(1, 0)  # warm-up: first-call allocations and kernel selection
 
@@ -186,7 +226,7 @@ def measure(
     if ns and long_context > 0 and long_context + max(ns) <= max_model_len:
         # The model's context is the attention's KV reads, the queries' own positions included,
         # so the slope comes from the same n at two contexts (the grid alone cannot separate
-        # them): n query tokens over L more cached positions read n * L more.
+        # them): n query tokens over L more cached positions read n * L more, in any shape.
         slopes = [
             (min(timed(n, long_context), timed(n, long_context)) - short[n]) / (n * long_context)
             for n in ns
@@ -194,22 +234,32 @@ def measure(
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
     timed(1, 0)
     short[1] = min(t1_seconds)  # the grid starts at 1
-    values = [short[n] - context_coef * attention_reads(0, n) for n in grid]
+    values = [short[n] - context_coef * _reads(shape(n)) for n in grid]
     model = StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
     if batch_timer is not None:
-        model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1])
+        shapes = [(s, max_query_len) for s in _VERIFY_NUM_SEQS if s <= max_num_seqs]
+        model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1], shapes)
     return Calibration(model, tuple(t1_seconds))
 
 
+def _reads(query_lens: list[int]) -> int:
+    """KV positions a step of these sequences reads without context."""
+    return sum(attention_reads(0, n) for n in query_lens)
+
+
 def _row_cost(
-    model: StepTimeModel, batch_timer: Callable[[int, int], float], repeats: int, max_n: int
+    model: StepTimeModel,
+    batch_timer: Callable[[int, int], float],
+    repeats: int,
+    max_n: int,
+    shapes: list[tuple[int, int]],
 ) -> float:
-    """The median over verify-shaped batches of what they took beyond the one-row model, per
-    extra row."""
+    """The median over verify-shaped batches (sequences, tokens each) of what they took beyond
+    the one-row model, per extra row."""
     costs = []
-    for num_seqs, num_tokens in _VERIFY_SHAPES:
+    for num_seqs, num_tokens in shapes:
         n = num_seqs * num_tokens
-        if n > max_n:
+        if n > max_n or n < 2:
             continue
         seconds = min(batch_timer(num_seqs, num_tokens) for _ in range(repeats))
         reads = num_seqs * attention_reads(0, num_tokens)
@@ -299,6 +349,8 @@ def is_plausible(model: StepTimeModel) -> bool:
 def _cache_key(
     runner: ModelRunner, model_path: Path, max_num_batched_tokens: int, max_model_len: int
 ) -> str:
+    config = runner.config
+    graphs = runner.graphs
     device = runner.device.torch
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
@@ -316,6 +368,10 @@ def _cache_key(
         str(runner.block_size),
         str(calibration_grid(max_num_batched_tokens)),
         str(max_model_len),
+        # The path and shape of the timed steps: graphs replayed or eager, and which buckets.
+        f"enforce_eager={config.enforce_eager}",
+        "eager" if graphs is None else f"graphs {list(graphs.buckets)}",
+        f"max_num_seqs={config.max_num_seqs} query_len={verify_query_len(config)}",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

@@ -7,8 +7,9 @@ rows the logits rows it computes and verifies (one per sampling sequence plus on
 token). Reads, not the sum of the sequences' lengths: a decode token over 2,048 cached positions
 costs the same attention whether it is alone or a verify row beside 7 drafts, and a single
 length per sequence priced the verify's rows (and, calibrated on 8-token chunks, every decode
-step) wrong by up to 8x. v is calibrated on single-sequence forwards with one logits row
-(engine/speculation/calibration.py); r, the cost of a row beyond the first, is calibrated on
+step) wrong by up to 8x. v is calibrated on forwards shaped as served steps of n tokens are
+(n one-token sequences, or verify chunks of 1 + K, past that a prompt chunk), with one logits
+row (engine/speculation/calibration.py), so on a GPU they replay the graphs served steps do; r, the cost of a row beyond the first, is calibrated on
 multi-sequence batches shaped like verify steps (every row scored). A draft token
 costs v's slope plus r: without r, a batch of sixteen sequences verifying four drafts each was
 priced like an 80-token prompt chunk, which computes one logits row where the verify computes 80.

@@ -13,19 +13,31 @@ import pytest
 import torch
 
 from engine import kernels
+from engine.cuda_graphs import Bucket
 from engine.speculation import cached_fit, calibration
+from engine.speculation.config import SpeculativeConfig
 from engine.speculation.policy import SpeculationPolicy
 from engine.speculation.stats import StepStats
 from engine.speculation.step_time import StepTimeModel, attention_reads
 
 
-def _runner(weight_format: str = "float32") -> SimpleNamespace:
+def _runner(
+    weight_format: str = "float32",
+    enforce_eager: bool = False,
+    graphs: object = None,
+    num_speculative_tokens: int = 3,
+) -> SimpleNamespace:
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=num_speculative_tokens)
     return SimpleNamespace(
         device=SimpleNamespace(torch=torch.device("cpu")),
         dtype=torch.float32,
         weight_format=weight_format,
         backend=SimpleNamespace(name="torch"),
         block_size=16,
+        config=SimpleNamespace(
+            enforce_eager=enforce_eager, max_num_seqs=16, speculative_config=spec
+        ),
+        graphs=graphs,
     )
 
 
@@ -48,6 +60,18 @@ def test_the_key_changes_with_what_changes_the_timings(monkeypatch):
     assert other_cpu != base
     monkeypatch.setattr(kernels, "speed_signature", lambda: "other kernels")
     assert _key(_runner()) not in (base, other_cpu)
+
+
+def test_the_key_changes_with_the_path_the_timed_steps_take():
+    """A fit timed eagerly is not the fit of steps that replay CUDA graphs, nor one timed over
+    other graphs or other served shapes (max_num_seqs, K decide them)."""
+    base = _key(_runner())
+    eager = _key(_runner(enforce_eager=True))
+    graphs = SimpleNamespace(buckets=(Bucket(1, 1), Bucket(1, 2), Bucket(4, 8)))
+    graphed = _key(_runner(graphs=graphs))
+    fewer = _key(_runner(graphs=SimpleNamespace(buckets=(Bucket(1, 1),))))
+    other_k = _key(_runner(num_speculative_tokens=5))
+    assert len({base, eager, graphed, fewer, other_k}) == 5
 
 
 def test_the_cpu_is_named_by_its_model():
@@ -81,11 +105,11 @@ def _no_forwards(*args: object) -> float:
     raise AssertionError("a cached fit must not time forwards")
 
 
-def _load(tmp_path: Path) -> SpeculationPolicy:
+def _load(tmp_path: Path, runner: SimpleNamespace | None = None) -> SpeculationPolicy:
     """The policy over load_or_calibrate's model, fed steps as the engine feeds them."""
     blocks = SimpleNamespace(num_blocks=256, block_size=16)
     model = calibration.load_or_calibrate(
-        _runner(), blocks, Path("/models/a"), 64, 2048, cache_dir=tmp_path
+        runner or _runner(), blocks, Path("/models/a"), 64, 2048, cache_dir=tmp_path
     )
     return SpeculationPolicy("auto", 4, model)
 
@@ -110,7 +134,7 @@ def test_a_cached_fit_twice_the_served_steps_is_rescaled_and_dropped(tmp_path, m
     caplog.set_level(logging.INFO)
     path = _use_cache(tmp_path, monkeypatch)
     _write_fit(path)
-    monkeypatch.setattr(calibration, "time_forward", _no_forwards)
+    monkeypatch.setattr(calibration, "time_step", _no_forwards)
     policy = _load(tmp_path)
     assert any(str(path) in m and "cached fit" in m for m in _messages(caplog, logging.INFO))
     _serve(policy, 0.5, NUM_STEPS - 1)
@@ -131,7 +155,7 @@ def test_a_cached_fit_within_the_margin_is_confirmed_and_kept(tmp_path, monkeypa
     caplog.set_level(logging.INFO)
     path = _use_cache(tmp_path, monkeypatch)
     text = _write_fit(path)
-    monkeypatch.setattr(calibration, "time_forward", _no_forwards)
+    monkeypatch.setattr(calibration, "time_step", _no_forwards)
     policy = _load(tmp_path)
     _serve(policy, 0.85, NUM_STEPS)  # 15% faster: within the margin
     assert path.read_text() == text
@@ -149,7 +173,7 @@ def test_served_steps_slower_than_the_fit_do_not_overwrite_it(tmp_path, monkeypa
     caplog.set_level(logging.INFO)
     path = _use_cache(tmp_path, monkeypatch)
     text = _write_fit(path)
-    monkeypatch.setattr(calibration, "time_forward", _no_forwards)
+    monkeypatch.setattr(calibration, "time_step", _no_forwards)
     policy = _load(tmp_path)
     _serve(policy, 2.0, 3 * NUM_STEPS)
     assert path.read_text() == text
@@ -160,21 +184,26 @@ def test_served_steps_slower_than_the_fit_do_not_overwrite_it(tmp_path, monkeypa
     assert not path.exists()
 
 
-def _fake_timers(monkeypatch: pytest.MonkeyPatch, t1: list[float]) -> None:
+def _fake_timers(monkeypatch: pytest.MonkeyPatch, t1: list[float]) -> list[int]:
     """Forwards timed by a fake clock: t(1) takes the given seconds in turn (the warm-up first),
-    every other forward the curve flat at 0.1 s to 8 tokens, then proportional to n."""
+    every other forward the curve flat at 0.1 s to 8 tokens, then proportional to n. Returns
+    the list each timed step's token count is appended to."""
     seconds = iter(t1)
+    timed: list[int] = []
 
-    def time_forward(runner, blocks, n, context, repeats):
+    def time_step(runner, blocks, query_lens, context, repeats):
+        n = sum(query_lens)
+        timed.append(n)
         if n == 1 and context == 0:
             return next(seconds)
-        return 0.1 * max(1.0, n / 8) + 1e-7 * attention_reads(context, n)
+        return 0.1 * max(1.0, n / 8) + 1e-7 * sum(attention_reads(context, q) for q in query_lens)
 
     def time_verify_batch(runner, blocks, num_seqs, num_tokens):
         return 0.1 * max(1.0, num_seqs * num_tokens / 8) + 0.002 * (num_seqs * num_tokens - 1)
 
-    monkeypatch.setattr(calibration, "time_forward", time_forward)
+    monkeypatch.setattr(calibration, "time_step", time_step)
     monkeypatch.setattr(calibration, "time_verify_batch", time_verify_batch)
+    return timed
 
 
 def test_a_calibration_disturbed_for_most_of_its_t1_timings_is_not_cached(
@@ -205,3 +234,24 @@ def test_a_quiet_calibration_is_cached_and_checked_like_a_loaded_one(tmp_path, m
     for _ in range(NUM_STEPS):
         policy.observe(StepStats((), (), 4, 4, 400, seconds, 0.0, 0.0))
     assert not path.exists()
+
+
+def test_a_fit_taken_with_graphs_is_not_loaded_with_enforce_eager(tmp_path, monkeypatch):
+    """The issue's F3: a fit timed on one path (graphs replayed, enforce_eager False) and cached
+    must not price the steps of a start that runs every step eagerly: that start calibrates
+    again, and each start then finds its own fit."""
+    monkeypatch.setenv("SPECSERVE_CALIBRATION_CACHE", "1")
+    timed = _fake_timers(monkeypatch, [0.1] * 60)
+    graphed = _runner(graphs=SimpleNamespace(buckets=(Bucket(1, 1), Bucket(4, 8))))
+    first = _load(tmp_path, graphed).step_model
+    assert isinstance(first, cached_fit.CachedFit) and first.origin == "just measured"
+    num_timed = len(timed)
+    assert num_timed > 0
+    eager = _load(tmp_path, _runner(enforce_eager=True)).step_model
+    assert len(timed) > num_timed  # timed again, not loaded
+    assert isinstance(eager, cached_fit.CachedFit) and eager.path != first.path
+    num_timed = len(timed)
+    again = _load(tmp_path, graphed).step_model  # the graphs' own fit is still there
+    assert len(timed) == num_timed
+    assert isinstance(again, cached_fit.CachedFit) and again.origin == "cached"
+    assert again.path == first.path

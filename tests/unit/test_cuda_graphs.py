@@ -10,16 +10,20 @@ metadata and replay logic, and must give the logits the eager torch-backend forw
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from engine import cuda_graphs
 from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import (
+    MAX_CAPTURE_TOKENS,
     NOT_CAPTURED,
     Bucket,
     CudaGraphs,
@@ -247,7 +251,7 @@ def test_bucket_is_the_smallest_that_holds_the_step(pair):
 def test_steps_no_graph_holds_run_eagerly(pair):
     _, _, graphs, capture, prompts = pair
     start, table = prompts["a"]
-    prompt_chunk = SeqChunk([7, 8, 9], start, table, 1)  # logits for its last token only
+    prompt_chunk = SeqChunk([7] * 6, start, table, 1)  # longer than the verify graphs' queries
     decode = SeqChunk([7], start, table, 1)
     assert graphs.forward([prompt_chunk]) is NOT_CAPTURED
     assert graphs.forward([decode, prompt_chunk]) is NOT_CAPTURED
@@ -307,7 +311,7 @@ def test_make_cuda_graphs_derives_buckets_from_the_config(model_parts, tiny_llam
     config = _config(tiny_llama, max_num_seqs=4, max_num_batched_tokens=10, speculative_config=spec)
     graphs = make_cuda_graphs(runner, config, capture=FakeCaptureDevice())
     assert graphs is not None and graphs.buckets[-1] == Bucket(4, 10)
-    # A draft model's runner: decode graphs only.
+    # max_query_len 1: decode graphs only.
     graphs = make_cuda_graphs(runner, config, max_query_len=1, capture=FakeCaptureDevice())
     assert graphs is not None and graphs.buckets == tuple(decode)
 
@@ -323,3 +327,98 @@ def test_no_graphs_on_cpu_when_eager_or_with_the_torch_backend(model_parts, tiny
     torch_runner.device = FakeCudaDevice()
     assert make_cuda_graphs(torch_runner, _config(tiny_llama), capture=capture) is None
     assert capture.graphs == []
+
+
+# ------------------------------------------------------------------ the draft model's first forward
+
+
+def _engine_draft_max_query_len(num_speculative_tokens: int) -> int:
+    """The max_query_len LLMEngine captures the draft runner's graphs with, read from its call
+    in engine/engine.py (building an engine captures no graph on a CPU)."""
+    source = Path(__file__).parents[2] / "engine" / "engine.py"
+    for node in ast.walk(ast.parse(source.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "allocate_kv_cache"
+            and ast.unparse(node.func.value) == "self.draft_runner"
+        ):
+            (value,) = [k.value for k in node.keywords if k.arg == "max_query_len"]
+            if isinstance(value, ast.Constant):
+                return int(value.value)
+            assert ast.unparse(value) == "draft_max_query_len(num_drafts)"
+            return cuda_graphs.draft_max_query_len(num_speculative_tokens)
+    raise AssertionError("engine.py allocates no draft KV cache")
+
+
+def test_a_draft_first_forward_replays_a_captured_graph(pair, tiny_llama):
+    """The draft model's first forward of a step gives each drafting request the tokens it has
+    not seen with logits for the last (2 after a full accept, 1 + K + 1 after an n-gram step's
+    full accept, 1 after a rejection), beside catch-up chunks with no logits. With the graphs
+    the engine captures for the draft, such steps replay one, and give the eager forward's
+    logits for exactly the rows asked for. Before: decode graphs only (max_query_len 1), and
+    any chunk with fewer logits than tokens ran eagerly: every step after a full accept."""
+    ref, graphed, _, _, prompts = pair
+    num_drafts = 3
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    config = _config(tiny_llama, max_num_seqs=4, speculative_config=spec)
+    graphed.device = FakeCudaDevice()
+    capture = FakeCaptureDevice()
+    max_query_len = _engine_draft_max_query_len(num_drafts)
+    graphs = make_cuda_graphs(graphed, config, max_query_len=max_query_len, capture=capture)
+    assert graphs is not None
+    rng = random.Random(4)
+
+    def chunk(name: str, n: int, num_logits: int) -> SeqChunk:
+        start, table = prompts[name]
+        prompts[name] = (start + n, table)
+        return SeqChunk([rng.randrange(3, 320) for _ in range(n)], start, table, num_logits)
+
+    steps = [
+        [chunk("a", 2, 1), chunk("b", 1, 1), chunk("c", 2, 0)],  # full accept, reject, catch-up
+        [chunk("a", 1 + num_drafts + 1, 1), chunk("c", 2, 1)],  # after an n-gram step
+        [chunk("b", 2, 1)],
+        [chunk("a", 3, 0), chunk("c", 1, 0)],  # catch-up only: no logits at all
+    ]
+    for chunks in steps:
+        replays = sum(g.num_replays for g in capture.graphs)
+        logits = graphs.forward(chunks)
+        assert sum(g.num_replays for g in capture.graphs) == replays + 1, "ran eagerly"
+        expected = eager(ref, chunks)
+        if expected is None:
+            assert logits is None
+        else:
+            assert isinstance(logits, torch.Tensor)
+            assert logits.shape == expected.shape == (sum(c.num_logits for c in chunks), 320)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        _assert_same_kv(graphed, ref)
+    start, table = prompts["b"]
+    long_catch_up = SeqChunk([7] * (max_query_len + 1), start, table, 0)
+    assert graphs.forward([long_catch_up]) is NOT_CAPTURED  # bounded catch-up stays eager
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "num_drafts", "budget"),
+    [(4, 3, 2048), (64, 5, 8192), (256, 4, 8192), (16, 8, 64), (1, 1, 512), (128, 2, 300)],
+)
+def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num_drafts, budget):
+    """The draft's graphs take longer queries than the target's, never more tokens than the
+    memory plan reserves a captured step's activations for (engine.memory.plan_for: at most
+    max_num_seqs * (1 + K) tokens, the budget and MAX_CAPTURE_TOKENS), and they hold the common
+    first forward of a full batch: 2 tokens for every sequence."""
+    spec = {"method": "ngram", "num_speculative_tokens": num_drafts}
+    config = _config(
+        tiny_llama,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        speculative_config=spec,
+    )
+    max_query_len = _engine_draft_max_query_len(num_drafts)
+    assert max_query_len >= 2 + num_drafts
+    sizes = cuda_graphs.graph_sizes(config, max_query_len)
+    planned = min(budget, max_num_seqs * (1 + num_drafts), MAX_CAPTURE_TOKENS)
+    assert max(max(s) for s in sizes.values()) <= planned
+    assert max(sizes) == max_query_len
+    full_batch = [SeqChunk([0, 0], 0, [0], 1) for _ in range(max_num_seqs)]
+    if 2 * max_num_seqs <= planned:
+        assert cuda_graphs.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
