@@ -85,8 +85,9 @@ def make_case(
     )
 
 
-def dense_reference(case: PagedCase, scale: float) -> torch.Tensor:
-    """Causal attention of each request's queries over its whole sequence, in float32."""
+def dense_reference(case: PagedCase, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's queries over its whole sequence, in float32; with a
+    `window`, a query at position p over keys p - window + 1 .. p only."""
     outs = []
     start = 0
     for q_len, k, v in zip(case.layout.query_lens, case.full_k, case.full_v, strict=True):
@@ -99,6 +100,37 @@ def dense_reference(case: PagedCase, scale: float) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         mask = torch.arange(seq_len)[None, :] <= q_pos  # [q_len, seq]
+        if window is not None:
+            mask &= torch.arange(seq_len)[None, :] > q_pos - window
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
     return torch.cat(outs)
+
+
+# Steps of every shape a paged backend meets: (query_lens, context_lens). Contexts cross 64-key
+# tiles (the Triton kernel's) and 16-token pages; a mixed step holds a prompt chunk, decodes and
+# verify chunks together.
+PAGED_STEPS = {
+    "decode_ragged": ([1, 1, 1, 1], [0, 5, 70, 16]),
+    "prefill": ([21], [0]),
+    "prefill_chunk_after_context": ([8], [67]),
+    "verify": ([4, 4], [9, 61]),
+    "mixed": ([13, 1, 5, 1, 3], [0, 12, 64, 40, 30]),
+}
+
+
+def request_alone(case: PagedCase, index: int, query_len: int) -> tuple[BatchLayout, slice]:
+    """Request `index` of `case` as a step of its own whose chunk is its last `query_len` query
+    tokens (its earlier ones taken as cached): the layout, and the rows of `case.query` (and of
+    the step's output) those tokens are. Run after `case`'s step has written its K/V."""
+    layout = case.layout
+    first = sum(layout.query_lens[:index])
+    rows = slice(first + layout.query_lens[index] - query_len, first + layout.query_lens[index])
+    alone = BatchLayout(
+        query_lens=(query_len,),
+        seq_lens=(layout.seq_lens[index],),
+        block_tables=(layout.block_tables[index],),
+        slot_mapping=layout.slot_mapping[rows],
+        block_size=layout.block_size,
+    )
+    return alone, rows

@@ -2,7 +2,8 @@
 
 `torch` runs everywhere (the reference); `cpu` runs every step by our batch-invariant CPU
 paged-attention kernel (it needs the CPU kernels built); `flash_attn` needs CUDA and the
-flash-attn package.
+flash-attn package; `triton` needs CUDA and Triton (what a CUDA node without flash-attn serves
+with).
 Each backend declares what it can run (`BackendSpec`): the engine configuration checks a
 (backend, device, dtype, block size) combination against it once, when it is built, so an
 impossible combination is a clear error at startup rather than a failure inside the first forward.
@@ -56,6 +57,23 @@ def flash_attn_available() -> bool:
     return True
 
 
+def _make_triton() -> AttentionBackend:
+    from engine.attention.triton_attn import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def triton_available() -> bool:
+    """CUDA is usable and Triton imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _always() -> bool:
     return True
 
@@ -64,6 +82,11 @@ def _flash_attn_is_available() -> bool:
     # Looked up by name at call time, so tests can fake a CUDA node by patching
     # `engine.attention.flash_attn_available`.
     return flash_attn_available()
+
+
+def _triton_is_available() -> bool:
+    # By name at call time, as _flash_attn_is_available.
+    return triton_available()
 
 
 @dataclass(frozen=True)
@@ -133,10 +156,22 @@ BACKENDS: dict[str, BackendSpec] = {
             unavailable_reason="CUDA is not usable or the flash-attn package is not installed "
             "(pip install 'specserve[gpu]')",
         ),
+        BackendSpec(
+            name="triton",
+            factory=_make_triton,
+            device_types=("cuda",),
+            dtypes=("bfloat16", "float16", "float32"),
+            # The kernel maps every key position to its slot, so any page size works; 16-token
+            # pages are the CPU path's, and multiples of them keep block tables short.
+            block_size_multiple=16,
+            default_block_size=16,
+            is_available=_triton_is_available,
+            unavailable_reason="CUDA is not usable or Triton is not installed (pip install triton)",
+        ),
     )
 }
 # What "auto" tries, best first: the first one available that accepts the configuration wins.
-AUTO_ORDER = ("flash_attn", "cpu", "torch")
+AUTO_ORDER = ("flash_attn", "triton", "cpu", "torch")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -196,7 +231,7 @@ def resolve_attention_backend(
 ) -> BackendSpec:
     """The spec of `name`, checked (see `check_attention_backend`); "auto" is the first of
     AUTO_ORDER that accepts the whole combination (flash_attn on a CUDA node with flash-attn
-    installed, cpu on a CPU where our kernels build, torch otherwise)."""
+    installed, triton on one without, cpu on a CPU where our kernels build, torch otherwise)."""
     if name != "auto":
         return check_attention_backend(name, device_type, dtypes, block_size)
     for candidate in AUTO_ORDER:
@@ -227,4 +262,5 @@ __all__ = [
     "flash_attn_available",
     "get_attention_backend",
     "resolve_attention_backend",
+    "triton_available",
 ]

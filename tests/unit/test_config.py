@@ -22,10 +22,14 @@ from server.cli import build_parser, load_cli_settings
 from server.settings import ENGINE_FIELDS, Settings, load_settings
 
 
-def fake_cuda_node(monkeypatch: pytest.MonkeyPatch, *, flash_attn: bool = True) -> None:
-    """Make this process look like a CUDA node, with flash-attn installed when `flash_attn`."""
+def fake_cuda_node(
+    monkeypatch: pytest.MonkeyPatch, *, flash_attn: bool = True, triton: bool = False
+) -> None:
+    """Make this process look like a CUDA node, with flash-attn installed when `flash_attn` and
+    Triton when `triton` (whatever this machine has installed)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(engine.attention, "flash_attn_available", lambda: flash_attn)
+    monkeypatch.setattr(engine.attention, "triton_available", lambda: triton)
 
 
 def cpu_node(monkeypatch: pytest.MonkeyPatch, *, kernels: bool = True) -> None:

@@ -1,0 +1,241 @@
+"""GPU paged attention in Triton: what a CUDA node serves with when flash-attn is not installed.
+
+Imported only when chosen (the registry imports this module lazily), so machines without Triton
+never need it. One kernel launch per layer runs the whole step: prompt chunks, verify chunks and
+decode tokens alike. Each query token attends causally to its request's cached context and to the
+tokens before it in its own chunk (key positions 0 .. its own position, as the torch reference),
+optionally only to the last `sliding_window` of them. K/V are read in place through the block
+table, so nothing is gathered per layer; this step's new K/V are written into their slots with
+`index_copy_` first.
+
+The grid is (query token, KV head). A program takes the GQA group of query heads that share one
+KV head, [BLOCK_H, head_dim] (the group padded to 16 rows for `tl.dot`), and walks its request's
+keys in tiles of BLOCK_N positions, an online softmax in float32 (exp2, the scale folded into
+log2(e)). Each key position is mapped to its cache slot (block_table[pos // block_size] *
+block_size + pos % block_size), so any page size works and a tile may span several pages.
+
+Batch invariance (a query row's output bits do not depend on the other requests of the step nor
+on its chunk's length): everything a program reads is its own token's query heads, its own
+position and its own request's block table, and it reduces over tiles starting at position 0
+(or at the window's first tile, a function of the position alone) in increasing order, each tile
+the same BLOCK_N positions. BLOCK_H, BLOCK_D, BLOCK_N and num_warps depend only on the model
+(head_dim, the GQA group size), never on the batch, and are never autotuned. So the same token at
+the same position over the same cache runs the same instructions on the same values, whether it
+is decoded alone or sits in a 2k-token prompt chunk beside 60 decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.base import BatchLayout
+from engine.device import to_device
+
+# Key positions per tile. Fixed (see "Batch invariance" above): 64 keys x head_dim 128 of K and
+# of V in bf16 is 32 KiB per tile, comfortably in registers and shared memory at 4 warps.
+BLOCK_N = 64
+NUM_WARPS = 4
+# tl.dot needs at least 16 rows and 16 columns per operand on NVIDIA GPUs.
+MIN_DOT_DIM = 16
+# The window of a backend without one: longer than any context, so every tile starts at 0.
+NO_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    """Where each query token sits: its request and its position; built once per step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V
+    token_seq: torch.Tensor  # [num_tokens] int32: the request (block-table row) of each token
+    token_pos: torch.Tensor  # [num_tokens] int32: each token's position; it sees keys 0 .. pos
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+
+
+def token_positions(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_tokens] request index, [num_tokens] position) of every query token, on the host:
+    request i's query tokens are the last query_lens[i] positions of its seq_lens[i]."""
+    q_lens = torch.tensor(layout.query_lens, dtype=torch.int64, device="cpu")  # [num_seqs]
+    seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64, device="cpu")  # [num_seqs]
+    requests = torch.arange(layout.num_reqs, device="cpu")  # [num_seqs]
+    token_seq = torch.repeat_interleave(requests, q_lens)  # [num_tokens]
+    first_row = torch.cumsum(q_lens, 0) - q_lens  # [num_seqs]: first query row of each request
+    rows = torch.arange(layout.num_tokens, device="cpu")  # [num_tokens]
+    row_in_chunk = rows - first_row[token_seq]  # [num_tokens]
+    token_pos = (seq_lens - q_lens)[token_seq] + row_in_chunk  # [num_tokens]
+    return token_seq.to(torch.int32), token_pos.to(torch.int32)
+
+
+def padded_block_table(layout: BatchLayout) -> torch.Tensor:
+    """[num_seqs, max_blocks] int32 on the host; rows shorter than the longest padded with 0
+    (never read: the kernel reads only the blocks of positions up to the token's own)."""
+    max_blocks = max(len(t) for t in layout.block_tables)
+    table = torch.zeros(layout.num_reqs, max_blocks, dtype=torch.int32, device="cpu")
+    for i, blocks in enumerate(layout.block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32, device="cpu")
+    return table
+
+
+class TritonAttentionBackend:
+    """Paged attention by one Triton kernel per layer (CUDA; Triton's interpreter on CPU)."""
+
+    name = "triton"
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> TritonAttentionMetadata:
+        token_seq, token_pos = token_positions(layout)
+        # Built on the host, moved by to_device: pinned and non-blocking on CUDA.
+        return TritonAttentionMetadata(
+            slot_mapping=to_device(layout.slot_mapping, device),
+            token_seq=to_device(token_seq, device),
+            token_pos=to_device(token_pos, device),
+            block_table=to_device(padded_block_table(layout), device),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: TritonAttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V into the cache, then attend. `sliding_window`: a query at
+        position p sees keys p - sliding_window + 1 .. p only (None: all of 0 .. p)."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        return paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: TritonAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of every query token over its cached context (K/V already written): one launch."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "GQA needs whole groups of query heads"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert sliding_window is None or sliding_window > 0
+    query = query if query.stride(2) == 1 else query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        metadata.token_seq,
+        metadata.token_pos,
+        metadata.block_table,
+        scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
+        sliding_window or NO_WINDOW,
+        block_size,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        metadata.block_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
+        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        BLOCK_N=BLOCK_N,
+        IS_FP32=query.dtype == torch.float32,
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+@triton.jit
+def _dot(a, b, IS_FP32: tl.constexpr):
+    """a @ b accumulated in float32. Float32 operands multiply in full float32 ("ieee"): NVIDIA's
+    default would round them to TF32 (10-bit mantissas), far from the float32 reference.
+    16-bit operands keep the default (exact products on the tensor cores)."""
+    return tl.dot(a, b, input_precision="ieee") if IS_FP32 else tl.dot(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same strides as k_cache
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    token_seq_ptr,  # [num_tokens] int32
+    token_pos_ptr,  # [num_tokens] int32
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    scale_log2e,  # softmax scale * log2(e)
+    window,  # a query at position p sees keys p - window + 1 .. p
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
+    BLOCK_N: tl.constexpr,  # key positions per tile
+    IS_FP32: tl.constexpr,  # q and the caches are float32
+):
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq = tl.load(token_seq_ptr + tok).to(tl.int64)
+    pos = tl.load(token_pos_ptr + tok)
+    rows = tl.arange(0, BLOCK_H)  # [BLOCK_H]: query heads of this KV head's group
+    dims = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    dim_ok = dims < HEAD_DIM
+    q_offsets = tok * stride_q_tok + (kv_head * GROUP + rows)[:, None] * stride_q_head
+    q_mask = (rows < GROUP)[:, None] & dim_ok[None, :]  # [BLOCK_H, BLOCK_D]
+    q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scaled scores
+    row_sum = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp2(score - m) * V
+    # The first tile holds the window's first key (or position 0), so every real row sees a key
+    # in it and m is finite from then on (padding rows of q are zeros, also finite).
+    first = tl.maximum(pos - window + 1, 0)
+    for start in range(first // BLOCK_N * BLOCK_N, pos + 1, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        in_context = key_pos <= pos
+        visible = in_context & (key_pos >= first)
+        block = tl.load(
+            block_table_ptr + seq * stride_bt_seq + key_pos // block_size, mask=in_context, other=0
+        ).to(tl.int64)  # [BLOCK_N]
+        slot = block * stride_c_block + (key_pos % block_size) * stride_c_slot
+        kv_offsets = (slot + kv_head * stride_c_head)[:, None] + dims[None, :]
+        kv_mask = visible[:, None] & dim_ok[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        scores = _dot(q, tl.trans(k), IS_FP32) * scale_log2e  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)  # [BLOCK_H]: rescales what was summed under the old max
+        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        pv = _dot(p.to(v.dtype), v, IS_FP32)  # [BLOCK_H, BLOCK_D]
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / row_sum[:, None]
+    o_offsets = tok * stride_o_tok + (kv_head * GROUP + rows)[:, None] * stride_o_head
+    tl.store(out_ptr + o_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -1,0 +1,139 @@
+"""The Triton paged-attention kernel's checks, run on CPU by Triton's interpreter: the backend
+equals the torch reference (and dense attention) on every shape of step, with GQA, several page
+sizes, shuffled block tables and sliding windows, and a request's output bits do not depend on
+its batch.
+
+Not collected by a plain `pytest tests/` (no test_ prefix): tests/unit/test_triton_attn.py runs
+this file in a pytest subprocess with TRITON_INTERPRET=1. Triton decides between compiling and
+interpreting when a function is decorated with `triton.jit`, its own library functions included
+(at `import triton`), so the variable must be set before Triton is first imported, and a process
+that sets it has no compiled Triton left: a separate process keeps it away from every other test.
+
+What the interpreter runs: float32 and float16. Not bfloat16: it holds bfloat16 as uint16 and its
+`tl.dot` multiplies those integers (Triton 3.9), so bfloat16 is checked on CUDA only
+(tests/gpu/test_triton_attn.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "run by tests/unit/test_triton_attn.py under TRITON_INTERPRET=1", allow_module_level=True
+    )
+
+from engine.attention import triton_attn  # noqa: E402
+from engine.attention.torch_attn import TorchAttentionBackend  # noqa: E402
+from tests.attention_cases import (  # noqa: E402
+    PAGED_STEPS,
+    PagedCase,
+    dense_reference,
+    make_case,
+    request_alone,
+)
+
+CPU = torch.device("cpu")
+
+
+def run_triton(case: PagedCase, scale: float, window: int | None = None) -> torch.Tensor:
+    """The Triton backend's step over `case` (writes the step's K/V into case's caches)."""
+    backend = triton_attn.TritonAttentionBackend()
+    meta = backend.build_metadata(case.layout, CPU)
+    return backend.forward(
+        case.query,
+        case.key,
+        case.value,
+        case.k_cache,
+        case.v_cache,
+        meta,
+        scale,
+        sliding_window=window,
+    )
+
+
+def run_torch(case: PagedCase, scale: float) -> torch.Tensor:
+    """The torch reference over a copy of `case`'s caches."""
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(case.layout, CPU)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    return backend.forward(case.query, case.key, case.value, k_cache, v_cache, meta, scale)
+
+
+def test_the_kernel_runs_in_the_interpreter():
+    # Without this the checks below would need a GPU, or test nothing.
+    assert type(triton_attn._paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name", list(PAGED_STEPS))
+def test_matches_the_torch_reference(name, block_size):
+    query_lens, context_lens = PAGED_STEPS[name]
+    case = make_case(query_lens, context_lens, block_size, seed=block_size)
+    scale = 16**-0.5
+    expected = run_torch(case, scale)
+    out = run_triton(case, scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_reference(case, scale), atol=1e-5, rtol=1e-5)
+    # The step's own K/V went into their slots: what later steps read.
+    k_flat = case.k_cache.view(-1, *case.k_cache.shape[2:])
+    assert torch.equal(k_flat[case.layout.slot_mapping], case.key)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 16), (8, 1, 16), (6, 2, 24)],  # no GQA, one KV head, a head_dim padded to 32
+)
+def test_gqa_groups_and_head_dims(num_heads, num_kv_heads, head_dim):
+    query_lens, context_lens = PAGED_STEPS["mixed"]
+    case = make_case(query_lens, context_lens, 16, num_heads, num_kv_heads, head_dim, seed=3)
+    scale = head_dim**-0.5
+    out = run_triton(case, scale)
+    torch.testing.assert_close(out, dense_reference(case, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_large_pages():
+    # A 256-token page holds several 64-key tiles: a key's slot is found the same way.
+    case = make_case([3, 1], [150, 300], 256, seed=4)
+    out = run_triton(case, 0.25)
+    torch.testing.assert_close(out, run_torch(case, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_float16_matches_the_reference():
+    query_lens, context_lens = PAGED_STEPS["mixed"]
+    case = make_case(query_lens, context_lens, 16, dtype=torch.float16, seed=5)
+    out = run_triton(case, 0.25)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), dense_reference(case, 0.25), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100])
+def test_sliding_window_matches_dense_attention(window):
+    # Contexts past 64 + window: the first tiles are skipped, and windows cross tile edges.
+    case = make_case([1, 6, 1, 2], [150, 100, 3, 70], 16, seed=window)
+    out = run_triton(case, 0.25, window)
+    torch.testing.assert_close(out, dense_reference(case, 0.25, window), atol=1e-5, rtol=1e-5)
+
+
+def test_a_request_gets_the_same_bits_alone_and_beside_others():
+    query_lens, context_lens = PAGED_STEPS["mixed"]
+    case = make_case(query_lens, context_lens, 16, seed=6)
+    batch_out = run_triton(case, 0.25)  # also writes every request's K/V into the cache
+    # (request, chunk length): a request's last tokens alone, as a shorter chunk or a decode.
+    for index, query_len in [(0, 13), (0, 1), (0, 4), (1, 1), (2, 5), (2, 2), (4, 1)]:
+        layout, rows = request_alone(case, index, query_len)
+        meta = triton_attn.TritonAttentionBackend().build_metadata(layout, CPU)
+        alone = triton_attn.paged_attention(
+            case.query[rows], case.k_cache, case.v_cache, meta, 0.25
+        )
+        assert torch.equal(alone, batch_out[rows]), (index, query_len)
+
+
+def test_token_positions_follow_the_layout():
+    case = make_case([3, 1, 2], [0, 5, 9], 16)
+    token_seq, token_pos = triton_attn.token_positions(case.layout)
+    assert token_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert token_pos.tolist() == [0, 1, 2, 5, 9, 10]
