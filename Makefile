@@ -7,8 +7,8 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: install run generate test gpu-test lint lint-deploy bench bench-policy bench-peers \
-	bench-reliability bench-grammar bench-structured clean
+.PHONY: install run generate test gpu-test gpu-smoke gpu-wheels lint lint-deploy bench bench-policy \
+	bench-peers bench-reliability bench-grammar bench-structured clean
 
 # The venv: torch's CPU build, the project with its test and dev extras, SmolLM2 with the dense
 # checkpoint the tests read, and our CPU kernels compiled once (a minute or more on 2 cores)
@@ -59,6 +59,24 @@ $(VENV)/.gpu: $(VENV)/.installed
 			|| echo "flash-attn did not install: its checks will skip") \
 		|| echo "torch sees no CUDA device: flash-attn not installed"
 	touch $@
+
+# Proves a GPU node in one command, about ten minutes on an H100 (python -m tests.gpu.smoke; see
+# its docstring): prints the environment and stops early without a CUDA device, runs tests/gpu
+# (ARGS="--require flash-attn": a skipped flash-attn check fails; the image's test stage passes
+# it), then benches the GPU preset over a random-weight Qwen2.5-1.5B-shaped model made on the node
+# (c = 1, 8, 64; speculation off/auto; CUDA graphs on/off; ARGS="--duration 20" seconds a point).
+# Writes $OUT/gpu-smoke.json (else bench/results/gpu-smoke.json) and prints one table. It needs no
+# venv and no network: the node's python (its torch) and, on a bare node, the .gpu-wheels/ folder
+# of `make gpu-wheels`. SPECSERVE_GPU_TESTS_DEVICE=cpu (or ARGS=--dry-run): the same on the CPU.
+SMOKE_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-smoke:
+	$(SMOKE_PYTHON) -m tests.gpu.smoke $(ARGS)
+
+# The wheels a bare GPU machine lacks (the project's dependencies not in its image, for CPython
+# 3.12 manylinux x86_64) into .gpu-wheels/, checked to travel with the tree in 64 MiB
+# (deploy/gpu_wheels.py; needs the venv, whose versions it pins, and the network).
+gpu-wheels: $(VENV)/.installed
+	$(PY) deploy/gpu_wheels.py $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -4,6 +4,12 @@ Every test here is marked `gpu` and skips without CUDA (see `tests.gpu.node` for
 override). A test names the summary line it counts towards with `@pytest.mark.gpu_check(name)`
 (default: its module's name); figures worth reading but never asserted on (decode speed) go
 through the `gpu_record` fixture. The summary block prints once some gpu test has run.
+
+A skip is not a pass: on a CUDA device a skipped check of a feature in `REQUIRED_ON_CUDA` (the
+Triton backend, CUDA graphs) fails the run, and `--require NAME` (repeatable) makes a skipped
+check of NAME fail anywhere: `--require flash-attn` on a node that must serve with flash-attn (the
+image), where a missing or broken flash-attn would otherwise read as a skip. A check belongs to a
+feature when its id or its skip reason names it (`FEATURES`), e.g. "needs CUDA and flash-attn".
 """
 
 from __future__ import annotations
@@ -23,6 +29,17 @@ CHECK_MARKER = "gpu_check"
 _HERE = Path(__file__).parent
 # The summary lists the checks of these modules first, in this order, then the others'.
 _SUMMARY_ORDER = ("test_gpu_parity", "test_gpu_engine", "test_gpu_server", "test_gpu_bench")
+
+# A feature a check may need -> the words (lower case) that name it in a test id or skip reason.
+FEATURES = {
+    "flash-attn": ("flash-attn", "flash_attn"),
+    "triton": ("triton",),
+    "cuda-graphs": ("cuda graph", "cuda_graph"),
+    "nvml": ("nvml",),
+}
+# What a CUDA node must run whatever it was asked: without flash-attn, a node serves with Triton
+# and CUDA graphs, so their checks may not skip there. NVML may be absent (MIG, containers).
+REQUIRED_ON_CUDA = ("triton", "cuda-graphs")
 
 
 @dataclass
@@ -53,6 +70,42 @@ class NodeReport:
 
 
 _REPORT = pytest.StashKey[NodeReport]()
+_SKIPPED_REQUIRED = pytest.StashKey[list[str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require",
+        action="append",
+        default=[],
+        choices=sorted(FEATURES),
+        help="a skipped check of this feature fails the run (repeatable), e.g. flash-attn",
+    )
+
+
+def required_features(config: pytest.Config) -> set[str]:
+    """`--require`'s features, and on a CUDA device those it must always run."""
+    required = set(config.getoption("require", default=None) or [])
+    device = requested_device()
+    if device is not None and device.startswith("cuda"):
+        required.update(REQUIRED_ON_CUDA)
+    return required
+
+
+def features_named(text: str) -> set[str]:
+    """The features a test id or skip reason names."""
+    lowered = text.lower()
+    return {name for name, words in FEATURES.items() if any(w in lowered for w in words)}
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _missing_required(config: pytest.Config, nodeid: str, reason: str) -> list[str]:
+    return sorted(features_named(f"{nodeid} {reason}") & required_features(config))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,6 +113,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{CHECK_MARKER}(name): the line of the GPU-node summary a test counts towards"
     )
     config.stash[_REPORT] = NodeReport()
+    config.stash[_SKIPPED_REQUIRED] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -80,10 +134,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        missing = _missing_required(item.config, item.nodeid, reason)
+        if missing:  # a required check that did not run has failed
+            report.outcome = "failed"
+            report.longrepr = f"required {', '.join(missing)} check skipped: {reason}"
     node = item.config.stash[_REPORT]
     if item.nodeid in node.check_of:
         node.note(report)
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A module skipped whole at collection (`importorskip` at its top) has no test report to
+    fail: note it, and `pytest_sessionfinish` fails the run (a collection error would stop it)."""
+    report = yield
+    if report.skipped:
+        missing = _missing_required(collector.config, report.nodeid, _skip_reason(report))
+        if missing:
+            collector.config.stash[_SKIPPED_REQUIRED].append(
+                f"{report.nodeid}: required {', '.join(missing)} checks skipped"
+            )
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.stash.get(_SKIPPED_REQUIRED, None) and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -108,6 +187,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         width = max(len(name) for name in report.figures)
         for name, value in report.figures.items():
             write(f"  {name:<{width}}  {value}")
+    for skipped in config.stash[_SKIPPED_REQUIRED]:
+        statuses.append("FAIL")
+        write(f"FAIL  {skipped}")
     words = {"PASS": "passed", "FAIL": "failed", "SKIP": "skipped"}
     counts = ", ".join(f"{statuses.count(s)} {word}" for s, word in words.items())
     # A module that failed to import has no check line; pytest's exit status still says so.

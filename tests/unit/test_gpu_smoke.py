@@ -1,0 +1,243 @@
+"""`make gpu-smoke` on the CPU: the driver's dry run end to end (a tiny random model, short
+points), and `--require`: a skipped check of a required feature fails the run (tests/gpu/conftest.py),
+on a CUDA node for Triton and CUDA graphs whatever was asked."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cuda_graphs import NOT_CAPTURED
+from tests.gpu.smoke.__main__ import main as smoke
+from tests.gpu.smoke.bench import CONCURRENCIES, MODES, ReplayCounter
+from tests.gpu.smoke.models import TINY, build_pair
+from tests.gpu.smoke.report import COLUMNS, bench_failures, markdown_table
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE_ENV = "SPECSERVE_GPU_TESTS_DEVICE"
+
+# A stand-in for tests/gpu: its conftest, one check that runs, and skipped ones of the kinds a
+# node may lack.
+_FAKE_CONFTEST = "from tests.gpu.conftest import *  # noqa: F403\n"
+_FAKE_CHECKS = """
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_torch_backend_runs():
+    assert 1 + 1 == 2
+
+
+@pytest.mark.skipif(True, reason="needs CUDA and flash-attn")
+def test_flash_attn_kernel():
+    pass
+
+
+def test_nvml_monitor():
+    pytest.skip("pynvml is not installed: NVML absent")
+"""
+_FAKE_GRAPHS = """
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_graphs_replay():
+    pytest.skip("no graphable attention backend")
+"""
+
+
+@pytest.fixture
+def fake_node(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    pytester.makeconftest(_FAKE_CONFTEST)
+    pytester.makepyfile(test_fake_node=_FAKE_CHECKS)
+    return pytester
+
+
+def test_required_flash_attn_check_that_skips_fails_the_run(fake_node):
+    plain = fake_node.runpytest("-m", "gpu")
+    plain.assert_outcomes(passed=1, skipped=2)
+    assert plain.ret == 0
+
+    required = fake_node.runpytest("-m", "gpu", "--require", "flash-attn")
+    # Only the flash-attn check turned into a failure: NVML may still be absent.
+    required.assert_outcomes(passed=1, skipped=1, errors=1)
+    assert required.ret == pytest.ExitCode.TESTS_FAILED
+    required.stdout.fnmatch_lines(
+        ["*required flash-attn check skipped: needs CUDA and flash-attn*"]
+    )
+
+
+def test_a_cuda_node_must_run_its_graph_checks(fake_node, monkeypatch):
+    fake_node.makepyfile(test_fake_graphs=_FAKE_GRAPHS)
+    on_cpu = fake_node.runpytest("-m", "gpu")  # a dry run cannot run graphs: a skip is a skip
+    on_cpu.assert_outcomes(passed=1, skipped=3)
+    # The device is only named, never used: the fake checks touch no GPU.
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    on_cuda = fake_node.runpytest("-m", "gpu")
+    on_cuda.assert_outcomes(passed=1, skipped=2, failed=1)
+    assert on_cuda.ret == pytest.ExitCode.TESTS_FAILED
+    on_cuda.stdout.fnmatch_lines(["*required cuda-graphs check skipped*"])
+    on_cuda.stdout.no_fnmatch_line("*flash-attn check skipped*")  # not required unless asked
+
+
+def test_driver_fails_the_node_on_a_required_skip(tmp_path):
+    """The whole command, as `make gpu-smoke ARGS=...` runs it: --require reaches the checks."""
+    checks = tmp_path / "fake_gpu_checks"
+    checks.mkdir()
+    (checks / "conftest.py").write_text(_FAKE_CONFTEST)
+    (checks / "test_fake_node.py").write_text(_FAKE_CHECKS)
+    out = tmp_path / "smoke.json"
+    command = [sys.executable, "-m", "tests.gpu.smoke", "--dry-run", "--skip-bench"]
+    command += ["--tests", str(checks), "--out", str(out), "--require", "flash-attn"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    # 1: tests failed (a usage error, as an unknown --require, would be 4).
+    assert result["checks"]["exit_status"] == 1 and result["verdict"] == "FAIL"
+    assert (
+        result["require"] == ["flash-attn"]
+        and "--require=flash-attn" in result["checks"]["command"]
+    )
+    assert "gpu-smoke: FAIL" in done.stdout
+
+
+def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    out = tmp_path / "smoke.json"
+    status = smoke(["--dry-run", "--skip-checks", "--duration", "0.25", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert out.stat().st_size < 16 * 2**20
+    result = json.loads(out.read_text())
+    assert (result["verdict"], result["device"], result["dry_run"]) == ("PASS", "cpu", True)
+    env = result["environment"]
+    assert env["device"] == "cpu" and env["torch"] == torch.__version__
+    assert set(env["kernels"]) == {"flash_attn", "triton"} and env["missing_modules"] == []
+    assert "torch" in env["backends"] and env["nvml"]
+
+    bench = result["bench"]
+    assert bench["failures"] == [] and "error" not in bench
+    assert bench["model"]["name"] == "tiny" and bench["model"]["draft_layers"] == 1
+    engines = bench["engines"]
+    assert [e["engine"]["graphs"] for e in engines] == [True, False]
+    for engine in engines:
+        facts = engine["engine"]
+        assert facts["num_kv_blocks"] > 0 and facts["num_graph_buckets"] == 0  # no graphs on CPU
+        points = engine["points"]
+        assert [(p["mode"], p["concurrency"]) for p in points] == [
+            (m, c) for m in MODES for c in CONCURRENCIES
+        ]
+        for p in points:
+            assert p["num_tokens"] > 0 and p["tokens_per_s"] > 0 and p["num_steps"] > 0
+            assert 0 < p["ttft_p50_ms"] <= p["ttft_p95_ms"]
+            assert p["graph_share"] == 0.0 and p["peak_memory_bytes"] is None
+            if p["mode"] == "off":
+                assert p["acceptance"] is None  # speculation off drafted nothing
+        # Where auto drafted (its choices follow measured times), some drafts were accepted.
+        assert all(0 < p["acceptance"] <= 1 for p in points if p["acceptance"] is not None)
+
+    table = [line for line in printed.splitlines() if line.startswith("|")]
+    assert table[0] == "| " + " | ".join(COLUMNS) + " |"
+    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES)
+    assert printed.rstrip().endswith("===== gpu-smoke: PASS")
+
+
+def test_the_draft_of_the_random_model_is_right_only_sometimes(tmp_path):
+    """The pair the bench runs: the draft (the target's first layer) agrees with the target at
+    some greedy tokens and not at others, so speculation has something to accept and to reject.
+    Mode always: acceptance here does not depend on measured times."""
+    from engine import LLM, SamplingParams
+
+    pair = build_pair(tmp_path, TINY, seed=0, dtype=torch.float32, device=torch.device("cpu"))
+    spec = {"method": "draft_model", "model": str(pair.draft), "mode": "always"}
+    llm = LLM(str(pair.target), dtype="float32", max_model_len=128, speculative_config=spec)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, TINY.shape["vocab_size"]) for _ in range(16)] for _ in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9
+
+
+def test_no_cuda_device_fails_before_any_check(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    out = tmp_path / "smoke.json"
+    assert smoke(["--out", str(out)]) == 2
+    result = json.loads(out.read_text())
+    assert result["verdict"] == "FAIL" and "no CUDA device" in result["problems"][0]
+    assert "checks" not in result and "bench" not in result
+
+
+class _FakeGraphs:
+    """Replays the steps of up to `capacity` tokens, as CudaGraphs.forward answers."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def forward(self, num_tokens: int):
+        return torch.zeros(num_tokens, 4) if num_tokens <= self.capacity else NOT_CAPTURED
+
+
+class _FakeRunner:
+    def __init__(self, graphs: _FakeGraphs | None) -> None:
+        self.graphs = graphs
+
+    def forward(self, num_tokens: int):
+        if self.graphs is not None:
+            logits = self.graphs.forward(num_tokens)
+            if logits is not NOT_CAPTURED:
+                return logits
+        return torch.ones(num_tokens, 4)
+
+
+def test_replay_counter_counts_the_steps_a_graph_replayed():
+    runner = _FakeRunner(_FakeGraphs(capacity=8))
+    counter = ReplayCounter(runner)
+    for num_tokens in (1, 8, 9, 300, 2):
+        runner.forward(num_tokens)
+    assert (counter.num_forwards, counter.num_replays) == (5, 3)
+    assert counter.share == pytest.approx(0.6)
+    counter.reset()
+    runner.forward(100)
+    assert (counter.num_forwards, counter.num_replays, counter.share) == (1, 0, 0.0)
+
+    eager = ReplayCounter(_FakeRunner(None))
+    assert eager.share == 0.0  # no forward yet, and none can replay
+
+
+def _bench(num_buckets: int, graph_share: float, peak: int, budget: int | None) -> dict:
+    point = dict(
+        graphs=True, mode="auto", concurrency=8, seconds=1.0, num_requests=3, num_tokens=100,
+        tokens_per_s=100.0, ttft_p50_ms=5.0, ttft_p95_ms=9.0, num_steps=20,
+        graph_share=graph_share, draft_graph_share=None, acceptance=0.5, peak_memory_bytes=peak,
+    )  # fmt: skip
+    facts = dict(
+        graphs=True, attention_backend="triton", num_kv_blocks=1000,
+        num_graph_buckets=num_buckets, memory_budget_bytes=budget,
+    )  # fmt: skip
+    return {"engines": [{"engine": facts, "points": [point]}]}
+
+
+def test_bench_failures_name_what_fails_a_node():
+    assert bench_failures(_bench(10, 0.8, 2**30, 2**31)) == []
+    assert bench_failures(_bench(0, 0.0, 2**30, None)) == []  # eager: nothing to replay
+    (unreplayed,) = bench_failures(_bench(10, 0.0, 2**30, 2**31))
+    assert "graphs captured, none replayed" in unreplayed
+    (over,) = bench_failures(_bench(10, 0.8, 3 * 2**30, 2**31))
+    assert "past the budget (3.0 / 2.0 GiB)" in over
+    assert "| on | auto | 8 | 100 | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |" in (
+        markdown_table(_bench(10, 0.8, 2**30, 2**31))
+    )
