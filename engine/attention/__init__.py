@@ -11,6 +11,7 @@ impossible combination is a clear error at startup rather than a failure inside 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,15 +47,20 @@ def _make_flash_attn() -> AttentionBackend:
     return FlashAttentionBackend()
 
 
-def flash_attn_available() -> bool:
-    """CUDA is usable and the flash-attn package imports."""
+def _cuda_with(module: str) -> bool:
+    """CUDA is usable and `module` imports."""
     if not torch.cuda.is_available():
         return False
     try:
-        import flash_attn  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
+
+
+def flash_attn_available() -> bool:
+    """CUDA is usable and the flash-attn package imports."""
+    return _cuda_with("flash_attn")
 
 
 def _make_triton() -> AttentionBackend:
@@ -65,13 +71,7 @@ def _make_triton() -> AttentionBackend:
 
 def triton_available() -> bool:
     """CUDA is usable and Triton imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _cuda_with("triton")
 
 
 def _always() -> bool:
