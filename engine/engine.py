@@ -98,7 +98,10 @@ class LLMEngine:
                 # Its first forward of a step (1 + catch-up tokens per drafting request) replays
                 # a graph too, up to draft_max_query_len tokens each; longer catch-up is eager.
                 self.draft_runner.allocate_kv_cache(
-                    num_blocks, max_query_len=draft_max_query_len(num_drafts)
+                    num_blocks,
+                    max_query_len=draft_max_query_len(num_drafts),
+                    # An EAGLE-3 head's steps run eagerly for now (no captured graphs).
+                    capture=spec_config is None or spec_config.model_drafter != "eagle3",
                 )
         log_memory(plan, runners, config.block_size)
         release_freed_heap()  # what loading freed, out of the resident set
@@ -245,6 +248,8 @@ class LLMEngine:
         draft_seconds = time.perf_counter() - proposing
         chunks, items = self._build_batch(schedule, drafts)
         results, forward_seconds = self._run(chunks, items)
+        # A head drafting from the target's hidden states reads this step's now (the extend).
+        self.speculator.after_step(schedule, chunks, results)
         verifies, finished, touched = self._update(schedule, chunks, drafts, results)
         stats = StepStats(
             decisions=schedule.decisions,

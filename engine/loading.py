@@ -26,10 +26,13 @@ def load_draft_runner(
     max_positions: int,
     tokenizer: Any,
 ) -> ModelRunner | None:
-    """The draft model's runner (weights only) when the speculative config has one, in
-    spec.draft_dtype or the target's dtype; it must share the target's tokenizer."""
-    if spec is None or "draft_model" not in spec.methods:
+    """The model drafter's runner (weights only) when the speculative config has one, in
+    spec.draft_dtype or the target's dtype: the draft model, which must share the target's
+    tokenizer, or the EAGLE-3 head (load_head_runner)."""
+    if spec is None or spec.model_drafter is None:
         return None
+    if spec.model_drafter == "eagle3":
+        return load_head_runner(config, spec, target, max_positions)
     assert spec.model is not None
     with startup_phase(f"model files {spec.model}"):
         draft_path = resolve_model(spec.model)
@@ -38,6 +41,40 @@ def load_draft_runner(
     dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
     with startup_phase(f"load weights {draft_path.name} (draft)"):
         return ModelRunner(config, draft_config, max_positions, dtype)
+
+
+def load_head_runner(
+    config: EngineConfig, spec: SpeculativeConfig, target: ModelRunner, max_positions: int
+) -> ModelRunner:
+    """The EAGLE-3 head's runner: the head directory (spec.model: a path, or a name the model
+    resolver knows) checked against the target, loaded in spec.draft_dtype or the target's dtype,
+    sharing the target's embedding when it has none; the target then keeps the tapped layers'
+    inputs of every forward (model.aux_layers)."""
+    from engine.models.eagle3 import Eagle3Config, load_head
+
+    assert spec.model is not None
+    path = Path(spec.model).expanduser()
+    if not path.is_dir():
+        with startup_phase(f"model files {spec.model}"):
+            path = resolve_model(spec.model)
+    head = Eagle3Config.from_path(path)
+    head.check_target(target.model_config)
+    layers = head.aux_layers(target.model_config.num_layers)
+    dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
+    cfg = head.as_model_config(target.model_config)
+    with startup_phase(f"load weights {path.name} (EAGLE-3 head)"):
+        model = load_head(head, cfg, len(layers), dtype, target.device.torch)
+        if model.embed_tokens is None:
+            if head.hidden_size != target.model_config.hidden_size:
+                raise ValueError(
+                    f"EAGLE-3 head {path} has no embed_tokens and hidden_size "
+                    f"{head.hidden_size}; the target's embedding it would share is "
+                    f"{target.model_config.hidden_size} wide."
+                )
+            model.share_embedding(target.model.embed_tokens)
+        runner = ModelRunner(config, cfg, max_positions, dtype, model=model)
+    target.model.aux_layers = layers
+    return runner
 
 
 def check_draft_vocabulary(draft_vocab: int, target_vocab: int, tokenizer: Any) -> None:

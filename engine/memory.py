@@ -180,6 +180,16 @@ def plan_for(
         )
         for r in runners
     )
+    # A target an EAGLE-3 head taps keeps its tapped layers' inputs for a whole step's tokens
+    # until the head's extend has read them.
+    target = runners[0]
+    num_taps = len(getattr(getattr(target, "model", None), "aux_layers", ()))
+    reserve += (
+        num_taps
+        * target.model_config.hidden_size
+        * target.dtype.itemsize
+        * config.max_num_batched_tokens
+    )
     # The gather lives inside one layer's attention and models run their forwards one after
     # another, so the largest model's workspace is the most that is ever alive.
     reserve += max(gather_workspace_bytes(r, max_len) for r in runners)

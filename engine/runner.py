@@ -53,24 +53,29 @@ class ModelRunner:
         model_config: ModelConfig,
         max_positions: int,
         dtype: torch.dtype | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.config = config
         self.device = Device(config.torch_device())
         self.model_config = model_config
         self.name = model_config.path.name
         self.block_size = config.block_size
-        quantized = load_quantized(
-            model_config.path,
-            model_config.num_heads,
-            model_config.num_kv_heads,
-            config.quantization,
-            self.device.torch,
-        )
-        self.dtype = dtype or config.torch_dtype(model_config, quantized=bool(quantized))
-        self.int8_activations = bool(quantized) and config.gguf_activations == "int8"
-        self.model = load_model(
-            model_config, self.dtype, self.device.torch, quantized, self.int8_activations
-        )
+        if model is not None:  # built and loaded by its owner (an EAGLE-3 head), in dtype
+            assert dtype is not None
+            self.dtype, self.int8_activations, self.model = dtype, False, model
+        else:
+            quantized = load_quantized(
+                model_config.path,
+                model_config.num_heads,
+                model_config.num_kv_heads,
+                config.quantization,
+                self.device.torch,
+            )
+            self.dtype = dtype or config.torch_dtype(model_config, quantized=bool(quantized))
+            self.int8_activations = bool(quantized) and config.gguf_activations == "int8"
+            self.model = load_model(
+                model_config, self.dtype, self.device.torch, quantized, self.int8_activations
+            )
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)
         self.backend = get_attention_backend(config.attention_backend, self.device.torch)
@@ -111,7 +116,9 @@ class ModelRunner:
         assert self.kv_caches, "allocate_kv_cache first"
         return self.num_blocks
 
-    def allocate_kv_cache(self, num_blocks: int, max_query_len: int | None = None) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, max_query_len: int | None = None, capture: bool = True
+    ) -> None:
         """Per layer, K and V of [num_blocks + 1, block_size, num_kv_heads, head_dim]: the
         num_blocks the block manager owns, then `pad_block`. Zeroed, so a slot never written
         holds no NaN for a masked attention weight of 0 to multiply. Then, on CUDA, capture the
@@ -128,17 +135,11 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         )
         self.num_blocks = num_blocks
-        self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
+        if capture:
+            self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
 
-    @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
-        """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
-        rows in chunk order, or None when no chunk asks for logits. A decode or verify step
-        that fits a captured CUDA graph replays it instead."""
-        if self.graphs is not None:
-            logits = self.graphs.forward(chunks)
-            if logits is not NOT_CAPTURED:
-                return logits
+    def step_inputs(self, chunks: Sequence[SeqChunk]) -> tuple[Any, ForwardContext, torch.Tensor]:
+        """The flattened step, its forward context and its token ids [num_tokens] on the device."""
         step = flatten_step(chunks, self.block_size)
         pos = self.device.tensor(step.positions, torch.int64)  # [num_tokens]
         cos, sin = self.rope(pos, self.dtype)
@@ -149,7 +150,19 @@ class ModelRunner:
             cos=cos,
             sin=sin,
         )
-        ids = self.device.tensor(step.token_ids, torch.int64)  # [num_tokens]
+        return step, ctx, self.device.tensor(step.token_ids, torch.int64)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
+        """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
+        rows in chunk order, or None when no chunk asks for logits. A decode or verify step
+        that fits a captured CUDA graph replays it instead (not while an EAGLE-3 head taps the
+        model's layers: the graphs do not keep the taps)."""
+        if self.graphs is not None and not getattr(self.model, "aux_layers", ()):
+            logits = self.graphs.forward(chunks)
+            if logits is not NOT_CAPTURED:
+                return logits
+        step, ctx, ids = self.step_inputs(chunks)
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
         if not step.logit_rows:
             return None

@@ -314,7 +314,9 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype)
 class Attention(nn.Module):
     """Self-attention with fused q/k/v projection, RoPE and a paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, in_features: int | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -325,8 +327,12 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # in_features: wider than hidden_size in an EAGLE-3 head ([embedding ; hidden]).
         self.qkv_proj = _linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype
+            in_features or cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            cfg.attention_bias,
+            dtype,
         )
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = _linear(self.q_size, cfg.hidden_size, o_bias, dtype)
@@ -396,12 +402,26 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         )
+        # Layers whose input an EAGLE-3 head reads (engine.models.eagle3); empty for every other
+        # deployment, which then pays nothing for it.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None  # [num_tokens, len(aux_layers) * hidden]
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden_size]. With
+        aux_layers, the residual stream entering each of them is kept in `aux_hidden`, side by
+        side in aux_layers' order."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        if not self.aux_layers:
+            for layer in self.layers:
+                x = layer(x, ctx)
+            return self.norm(x)
+        taps = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                taps.append((self.aux_layers.index(i), x))
             x = layer(x, ctx)
+        self.aux_hidden = torch.cat([t for _, t in sorted(taps, key=lambda p: p[0])], dim=-1)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 DEFAULT_PRIORS: Mapping[str, float] = {
     "ngram": 0.5,
     "draft_model": 0.6,
+    "eagle3": 0.6,
     "prediction": 0.8,
     "grammar": 0.9,
 }

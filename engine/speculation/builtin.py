@@ -41,6 +41,23 @@ def _draft_model(spec: SpeculativeConfig, context: Any) -> Proposer:
     )
 
 
+@register_proposer("eagle3")
+def _eagle3(spec: SpeculativeConfig, context: Any) -> Proposer:
+    """The head's runner is built by the engine like a draft model's (engine/loading.py)."""
+    from engine.sampler import Sampler
+    from engine.speculation.eagle3 import Eagle3Proposer
+
+    engine = context.engine
+    assert engine.draft_runner is not None, "the engine loads the head when a method names it"
+    return Eagle3Proposer(
+        engine.draft_runner,
+        engine.runner,
+        Sampler(engine.model_config.vocab_size, engine.eos_token_ids),
+        engine.block_manager,
+        spec.draft_min_confidence,
+    )
+
+
 @register_proposer("grammar")
 def _grammar(spec: SpeculativeConfig | None, context: Any) -> Proposer:
     from engine.speculation.grammar import GrammarProposer

@@ -1,7 +1,8 @@
 """Speculative decoding configuration, named as vLLM names it.
 
-`method` names one proposer or a priority chain joined by '+': "ngram", "draft_model",
-"ngram+draft_model" (n-gram first, the draft model where n-gram finds no match).
+`method` names one proposer or a priority chain joined by '+': "ngram", "draft_model", "eagle3",
+"ngram+draft_model" (n-gram first, the draft model where n-gram finds no match), "ngram+eagle3".
+A chain holds at most one model drafter (draft_model or eagle3).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SPEC_MODES = ("off", "always", "auto")
+# Proposers that run a network with its own KV (engine/speculation/model_drafter.py).
+MODEL_DRAFTERS = ("draft_model", "eagle3")
 
 
 def check_mode(mode: object) -> None:
@@ -27,7 +30,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    model: str | None = None  # the draft model (name or path), for draft_model
+    model: str | None = None  # the draft model (name or path), or the EAGLE-3 head's directory
     draft_dtype: str | None = None  # default: the target's dtype
     # The draft model stops drafting for a request once it gives its own token less than this
     # probability (bench/spec.py: 0.6 with 5 tokens beat a fixed 3-token window on open chat).
@@ -68,10 +71,23 @@ class SpeculativeConfig:
             raise ValueError("spec_disable_utilization must be in (0, 1].")
         if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative method draft_model needs 'model' (the draft model).")
+        if "eagle3" in self.methods and not self.model:
+            raise ValueError("speculative method eagle3 needs 'model' (the head's directory).")
+        drafters = [m for m in self.methods if m in MODEL_DRAFTERS]
+        if len(drafters) > 1:
+            raise ValueError(
+                f"speculative method {self.method!r} chains {' and '.join(drafters)}; a chain "
+                "holds one model drafter."
+            )
 
     @property
     def methods(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.method.split("+"))
+
+    @property
+    def model_drafter(self) -> str | None:
+        """The chain's model drafter (draft_model or eagle3), if any."""
+        return next((m for m in self.methods if m in MODEL_DRAFTERS), None)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:

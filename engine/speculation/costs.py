@@ -51,7 +51,7 @@ CATCH_UP_SHARE = 0.5
 MIN_CATCH_UP_CHUNK = 16
 MAX_CATCH_UP_CHUNK = 256
 # Sources that draft with a model: each draft depth costs one batched forward of it.
-MODEL_SOURCES = frozenset({"draft_model"})
+MODEL_SOURCES = frozenset({"draft_model", "eagle3"})
 # The correction stays within these bounds, and fades toward none by this share per step without
 # drafts, so speculation is tried again once what made it cost more (a load, a draft model
 # catching up) may have passed.

@@ -1,4 +1,5 @@
-"""A smaller model with the target's tokenizer drafts for it.
+"""A smaller model with the target's tokenizer drafts for it (a member of the model drafters'
+family: engine/speculation/model_drafter.py holds the drafting loop it shares).
 
 The draft model has its own runner (its own weights and KV tensors) but indexes its KV with the
 SAME block tables as the target, so it needs no memory management of its own. In a step where
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -34,22 +34,9 @@ from engine.request import Request
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.speculation.costs import MAX_CATCH_UP_CHUNK
-from engine.speculation.proposer import Draft
-from engine.structured.masks import TokenMasks, mask_width, new_masks
-from engine.verifier import DRAFT_STREAM, sampling_row
+from engine.speculation.model_drafter import Drafted, DraftTiming, ModelDrafter
 
-
-@dataclass(frozen=True)
-class DraftTiming:
-    """Seconds of the draft model's last propose: the first forward (catching up on
-    num_catch_up tokens besides one per drafting request, num_drafting of them) and the
-    num_more single-token forwards after it."""
-
-    num_catch_up: int
-    first_seconds: float
-    num_more: int
-    more_seconds: float
-    num_drafting: int = 1
+__all__ = ["DraftModelProposer", "DraftTiming"]
 
 
 @dataclass
@@ -60,7 +47,7 @@ class _DraftState:
     num_preemptions: int = 0  # the request's count when this state was made
 
 
-class DraftModelProposer:
+class DraftModelProposer(ModelDrafter):
     """Drafts with a smaller model sharing the target's block tables."""
 
     name = "draft_model"
@@ -73,19 +60,15 @@ class DraftModelProposer:
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
     ) -> None:
-        self.runner = runner
-        # The target's vocabulary: the width of the q rows the verifier compares with p (the
-        # draft's own may be padded to another size; see _sample).
-        self.vocab_size = vocab_size or runner.model_config.vocab_size
-        self.min_confidence = min_confidence
-        self.sampler = sampler
+        # The draft's own vocabulary may be padded to another size than the target's (see
+        # ModelDrafter._sample).
+        super().__init__(
+            runner, sampler, min_confidence, vocab_size or runner.model_config.vocab_size
+        )
         self.block_manager = block_manager
         self._states: dict[str, _DraftState] = {}
         self._scheduled: Sequence[tuple[Request, int]] = ()
         self._catch_up: Sequence[tuple[Request, int]] = ()
-        # Device marks of the last propose (num_catch_up, num_drafting, start, after the first
-        # forward, num_more, end), read into a DraftTiming once the step has synchronised.
-        self._marks: tuple[int, int, Any, Any, int, Any] | None = None
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         self._scheduled = scheduled
@@ -119,10 +102,11 @@ class DraftModelProposer:
         state.num_computed = min(state.num_computed, request.num_computed_tokens)
         return state
 
-    @torch.inference_mode()
-    def propose(
+    def _first(
         self, requests: Sequence[Request], max_lengths: Sequence[int]
-    ) -> list[Draft | None]:
+    ) -> tuple[list[tuple[Request, int]], torch.Tensor | None, int]:
+        """One forward: for each drafting request every token the draft has not seen (with
+        logits for the last), and the policy's catch-up chunks (no logits)."""
         num_new = {r.request_id: n for r, n in self._scheduled}
         chunks, drafting = [], []
         for request, k in zip(requests, max_lengths, strict=True):
@@ -152,48 +136,14 @@ class DraftModelProposer:
                 state.num_computed = end
         self._catch_up = ()
         if not chunks:
-            return [None] * len(requests)
-        device = self.runner.device
-        start = device.mark()
-        logits = self.runner.forward(chunks)  # rows of the drafting requests, in their order
-        first = device.mark()
-        drafted: dict[str, tuple[list[int], list[torch.Tensor]]] = {
-            r.request_id: ([], []) for r, _ in drafting
-        }
-        stopped: set[str] = set()
-        num_more = 0
-        for step in range(max((k for _, k in drafting), default=0)):
-            # A request stops drafting at its grant, or once the draft is unsure of its token.
-            active = [
-                (r, k)
-                for r, k in drafting
-                if step < k
-                and r.request_id not in stopped
-                and len(drafted[r.request_id][0]) == step
-            ]
-            if not active:
-                break
-            if step > 0:
-                num_more += 1
-                logits = self.runner.forward(
-                    [self._feed(r, drafted[r.request_id][0]) for r, _ in active]
-                )
-            assert logits is not None
-            stopped.update(self._sample(logits, active, drafted))
-        self._marks = (num_catch_up, len(drafting), start, first, num_more, device.mark())
-        return [self._draft(r, drafted) for r in requests]
+            return drafting, None, 0
+        # Rows of the drafting requests, in their order (None when only catching up).
+        return drafting, self.runner.forward(chunks), num_catch_up
 
-    def take_timing(self) -> DraftTiming | None:
-        """The device time of the last propose, or None if it has been taken (or none ran).
-        Call after the step's synchronisation: the marks are read, never waited on."""
-        if self._marks is None:
-            return None
-        num_catch_up, num_drafting, start, first, num_more, end = self._marks
-        self._marks = None
-        elapsed = self.runner.device.elapsed
-        return DraftTiming(
-            num_catch_up, elapsed(start, first), num_more, elapsed(first, end), num_drafting
-        )
+    def _next(self, active: list[tuple[Request, int]], drafted: Drafted) -> torch.Tensor:
+        logits = self.runner.forward([self._feed(r, drafted[r.request_id][0]) for r, _ in active])
+        assert logits is not None
+        return logits
 
     def _inputs(self, token_ids: list[int]) -> list[int]:
         """The request's tokens as the draft can embed them: an id past a narrower draft
@@ -219,82 +169,3 @@ class DraftModelProposer:
         state.fed_at, state.fed = request.num_tokens, tuple(ids)
         table = self.block_manager.get_block_table(request.request_id)
         return SeqChunk([ids[-1]], position, table, 1)
-
-    def _sample(
-        self,
-        logits: torch.Tensor,  # [num_active, vocab_size]
-        active: list[tuple[Request, int]],
-        drafted: dict[str, tuple[list[int], list[torch.Tensor]]],
-    ) -> list[str]:
-        """Sample each active request's next draft token; return the ids of requests that stop
-        drafting here."""
-        rows = []
-        for request, _ in active:
-            ids = drafted[request.request_id][0]
-            # The row for the draft's next position, history extended by the drafts so far.
-            rows.append(sampling_row(request, ids, logits.device, DRAFT_STREAM))
-        masks = _grammar_masks(active, drafted, logits.shape[1])
-        processed = self.sampler.process(logits, rows, masks)  # [num_active, draft_vocab]
-        # Padding rows of a draft vocabulary wider than the target's are ids the target cannot
-        # emit: never draft them (q is then exactly what the draft samples from).
-        processed[:, self.vocab_size :] = float("-inf")
-        token_ids = self.sampler.sample_processed(processed, rows).token_ids  # [num_active]
-        probs = processed.softmax(dim=-1)  # [num_active, draft_vocab]
-        if probs.shape[1] != self.vocab_size:  # q over the target's ids: 0 past the draft's
-            probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[1]))
-        # probs: [num_active, vocab_size]
-        # Early exit: a token the draft itself gives little probability is likely rejected, and
-        # every further draft forward would build on it. Stopping depends only on the draft's
-        # own samples, so verification stays exact.
-        confident = probs.gather(1, token_ids[:, None])[:, 0] >= self.min_confidence  # [num_active]
-        # One device-to-host read for the whole draft step, ids and flags together: reading a
-        # CUDA tensor on the host waits for the device, so a read per request would be a sync
-        # per request per draft step.
-        host_ids, host_confident = torch.stack([token_ids, confident.to(token_ids.dtype)]).tolist()
-        for i, (request, _) in enumerate(active):
-            ids, dists = drafted[request.request_id]
-            ids.append(host_ids[i])
-            if not request.params.is_greedy:
-                dists.append(probs[i])
-        return [r.request_id for i, (r, _) in enumerate(active) if not host_confident[i]]
-
-    def _draft(
-        self, request: Request, drafted: dict[str, tuple[list[int], list[torch.Tensor]]]
-    ) -> Draft | None:
-        if request.request_id not in drafted:
-            return None
-        ids, dists = drafted[request.request_id]
-        if not ids:
-            return None
-        probs = torch.stack(dists) if dists else None  # [k, vocab_size]
-        return Draft(tuple(ids), self.name, probs)
-
-
-def _grammar_masks(
-    active: list[tuple[Request, int]],
-    drafted: dict[str, tuple[list[int], list[torch.Tensor]]],
-    draft_vocab: int,
-) -> TokenMasks | None:
-    """Masks for the active requests under a grammar: each with its state after the tokens it
-    drafted so far (rolled back after), so the draft proposes only what the grammar allows and q
-    is what it samples from. Width of the draft's vocabulary: ids past the target's are banned."""
-    row_ids = [i for i, (r, _) in enumerate(active) if r.grammar is not None]
-    if not row_ids:
-        return None
-    vocab_size = active[row_ids[0]][0].grammar.vocab_size
-    masks = new_masks(len(row_ids), vocab_size)  # [n, target words]
-    for row, i in enumerate(row_ids):
-        state, ids = active[i][0].grammar, drafted[active[i][0].request_id][0]
-        num = 0  # every drafted id was sampled under its mask: all are taken
-        while num < len(ids) and not state.is_terminated and state.accept(ids[num]):
-            num += 1
-        if num == len(ids) and not state.is_terminated:
-            state.fill_mask(masks, row)
-        state.rollback(num)
-    width = mask_width(draft_vocab)
-    if width != masks.shape[1]:
-        wide = torch.zeros(len(row_ids), width, dtype=torch.int32, device="cpu")  # host, as masks
-        n = min(width, masks.shape[1])
-        wide[:, :n] = masks[:, :n]
-        masks = wide
-    return TokenMasks(row_ids, masks)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from engine.device_monitor import make_monitor
 from engine.request import Request
 from engine.speculation.calibration import load_or_calibrate, time_forward
-from engine.speculation.config import SpeculativeConfig
+from engine.speculation.config import MODEL_DRAFTERS, SpeculativeConfig
 from engine.speculation.policy import SpeculationPolicy
 from engine.speculation.proposer import Draft, LookupProposer, Proposer, make_proposer
 from engine.speculation.stats import StepStats, VerifyResult
@@ -30,8 +30,10 @@ from engine.speculation.step_time import StepTimeModel
 from engine.startup import startup_phase
 
 if TYPE_CHECKING:
+    from engine.runner import SeqChunk
     from engine.scheduler import ScheduledRequest, SchedulerOutput
-    from engine.speculation.draft_model import DraftTiming
+    from engine.speculation.model_drafter import DraftTiming
+    from engine.verifier import StepTokens
 
 # Draft length for predicted outputs when no speculative config sets one: a prediction is
 # usually long and right, and verifying a token costs nothing while decode is memory-bound.
@@ -140,6 +142,19 @@ class Speculator:
                     drafts[s.request.request_id] = draft
         return drafts
 
+    def after_step(
+        self, schedule: SchedulerOutput, chunks: Sequence[SeqChunk], results: Sequence[StepTokens]
+    ) -> None:
+        """Once the target has run and verified: a drafter that reads the target's hidden states
+        (eagle3) extends its KV over what the step computed and kept."""
+        for proposer in self.chain:
+            extend = getattr(proposer, "extend", None)
+            if extend is not None:
+                from engine.speculation.eagle3 import extend_spans
+
+                pairs = [(s.request, c) for s, c in zip(schedule.scheduled, chunks, strict=True)]
+                extend(extend_spans(pairs, results))
+
     def take_draft_timing(self) -> DraftTiming | None:
         """The draft model's device time in this step, read once the step has synchronised."""
         for proposer in self.chain:
@@ -205,7 +220,7 @@ def _make_policy(
                 engine.max_model_len,
             )
         draft_runner = next(
-            (getattr(p, "runner", None) for p in chain if p.name == "draft_model"), None
+            (getattr(p, "runner", None) for p in chain if p.name in MODEL_DRAFTERS), None
         )
         if draft_runner is not None:
             with startup_phase("draft timing"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine.metrics import Histogram
 
 if TYPE_CHECKING:
-    from engine.speculation.draft_model import DraftTiming
+    from engine.speculation.model_drafter import DraftTiming
 
 # Why a decoding request was granted k > 0 ("speculate") this step...
 SPECULATE_REASONS: tuple[str, ...] = (

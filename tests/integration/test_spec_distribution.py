@@ -1,7 +1,7 @@
 """End to end, speculative decoding samples exactly from the target.
 
 For every sampling option (temperature 0.7 / 1.0 / 1.5, top_k, top_p, min_p, presence, frequency
-and repetition penalties) and every proposer (draft model, n-gram, predicted outputs) the first 3
+and repetition penalties) and every proposer (draft model, EAGLE-3 head, n-gram, predicted outputs) the first 3
 generated tokens of 20,000 continuations sampled in big batches follow the exact distribution
 that transformers gives for the target (chi-square p > 0.001), speculation really happened
 (drafts verified, many kept, many rejected), and deliberately broken verification rules are
@@ -12,13 +12,14 @@ requests verify 2 drafts there, half 1 draft and a bonus token). The exact law i
 every prefix and the samples are tested node by node along the prefix tree, sparse cells pooled
 (tests/token_distribution.py).
 
-Default run (about 2 minutes on 2 CPU cores): all nine options with the draft model (drafts with
-a distribution q: the min(1, p/q) rule and the residual), two options each with n-gram and
+Default run (about 2.5 minutes on 2 CPU cores): all nine options with the draft model (drafts
+with a distribution q: the min(1, p/q) rule and the residual), temperature 1 and top_p with an
+EAGLE-3 head (q over a draft vocabulary of 24 of the 32 ids), two options each with n-gram and
 predicted-output drafts (one-hot q), and the broken rules.
 
     SPECSERVE_FULL_DIST=1 pytest tests/integration/test_spec_distribution.py
 
-runs the full matrix, every option with every proposer (27 cases, about 3.5 minutes).
+runs the full matrix, every option with every proposer (36 cases, about 5 minutes).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.speculation import rejection
 from tests.conftest import build_tiny_model
+from tests.eagle3_heads import build_tiny_eagle3_head
 from tests.token_distribution import (
     TreeTest,
     edit_lm_head,
@@ -89,13 +91,21 @@ ONE_HOT_DEFAULT = {
     "ngram": ("top_k", "presence_penalty"),
     "prediction": ("top_p", "frequency_penalty"),
 }
-METHODS = ("draft_model", "ngram", "prediction")
-CASES = [(option, "draft_model") for option in OPTIONS] + [
-    (option, method)
-    for method in ONE_HOT_DEFAULT
-    for option in OPTIONS
-    if FULL or option in ONE_HOT_DEFAULT[method]
-]
+METHODS = ("draft_model", "ngram", "prediction", "eagle3")
+# An EAGLE-3 head samples its drafts from q like the draft model, over a draft vocabulary of
+# EAGLE_VOCAB of the target's ids (d2t offsets): a truncation and the plain case by default.
+EAGLE_VOCAB = 24
+EAGLE_DEFAULT = ("temperature_1.0", "top_p")
+CASES = (
+    [(option, "draft_model") for option in OPTIONS]
+    + [(option, "eagle3") for option in OPTIONS if FULL or option in EAGLE_DEFAULT]
+    + [
+        (option, method)
+        for method in ONE_HOT_DEFAULT
+        for option in OPTIONS
+        if FULL or option in ONE_HOT_DEFAULT[method]
+    ]
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,6 +125,7 @@ class Setup:
 
     target: Path
     draft: Path
+    head: Path
     prompt: list[int]
     raw_logits: dict[tuple[int, ...], torch.Tensor]
 
@@ -140,7 +151,18 @@ def setup(tmp_path_factory) -> Setup:
     with torch.inference_mode():
         while len(prompt) < PROMPT_LEN:
             prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
-    return Setup(target, draft, prompt, prefix_logits(model, prompt, VOCAB, DEPTH))
+    # The head taps layer 0's input (the target has one layer): what it drafts matters not here,
+    # only that its drafts come with their q.
+    head = build_tiny_eagle3_head(
+        tmp_path_factory.mktemp("dist-head"),
+        target,
+        seed=13,
+        draft_vocab_size=EAGLE_VOCAB,
+        aux_layer_ids=[0],
+        scale=0.3,
+        dtype=torch.float32,
+    )
+    return Setup(target, draft, head, prompt, prefix_logits(model, prompt, VOCAB, DEPTH))
 
 
 def _predictions(probs: dict[tuple[int, ...], torch.Tensor], num: int) -> list[list[int]]:
@@ -159,12 +181,12 @@ def _engine(setup: Setup, method: str) -> LLMEngine:
     # Predicted outputs need no speculative config: the requests carry their drafts. Mode
     # "always" drafts every step, so every sample exercises the rejection sampler.
     spec: dict[str, object] | None = None
-    if method == "draft_model":
+    if method in ("draft_model", "eagle3"):
         spec = dict(
             method=method,
             mode="always",
             num_speculative_tokens=NUM_SPEC_TOKENS,
-            model=str(setup.draft),
+            model=str(setup.draft if method == "draft_model" else setup.head),
         )
     elif method == "ngram":
         spec = dict(
@@ -294,6 +316,7 @@ def _freeze_penalty_window(monkeypatch: pytest.MonkeyPatch) -> None:
     ("breakage", "option", "method"),
     [
         (_accept_every_draft, "temperature_1.0", "draft_model"),
+        (_accept_every_draft, "temperature_1.0", "eagle3"),
         (_recover_from_p, "temperature_1.0", "draft_model"),
         (_keep_one_hot_drafts, "temperature_1.0", "ngram"),
         (_freeze_penalty_window, "presence_penalty", "ngram"),

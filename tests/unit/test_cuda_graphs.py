@@ -127,7 +127,7 @@ def _runner(model_parts, backend, num_blocks: int) -> SimpleNamespace:
     """A runner-like object: what ModelRunner.forward and CudaGraphs read."""
     cfg, model, rope = model_parts
     shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    return SimpleNamespace(
+    runner = SimpleNamespace(
         model=model,
         rope=rope,
         backend=backend,
@@ -138,6 +138,8 @@ def _runner(model_parts, backend, num_blocks: int) -> SimpleNamespace:
         kv_caches=tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)),
         graphs=None,
     )
+    runner.step_inputs = lambda chunks: ModelRunner.step_inputs(runner, chunks)  # type: ignore[arg-type]
+    return runner
 
 
 def eager(runner: SimpleNamespace, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_a_catch_up_beside_drafts_is_predicted_for_the_correction() -> None:
 
 def test_a_catch_up_only_forward_teaches_the_per_token_cost() -> None:
     """A first forward without drafting rows is all catch-up: its seconds over its tokens."""
-    from engine.speculation.draft_model import DraftTiming
+    from engine.speculation.model_drafter import DraftTiming
 
     policy = _policy(per_token=0.02)
     (d,) = _one(policy, [Candidate(_request(), 4, "draft_model", num_catch_up=1000)])

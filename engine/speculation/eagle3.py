@@ -1,0 +1,214 @@
+"""An EAGLE-3 head drafts from the target's own hidden states (a member of the model drafters'
+family: engine/speculation/model_drafter.py holds the drafting loop it shares).
+
+Head position t pairs the target's features at t (its residual stream entering the tapped
+layers, combined by `fc`) with token t + 1 and predicts token t + 2. The head's KV lives in its
+own one-layer cache under the target's block tables.
+
+The head is kept current: right after every target step, once verification has said which
+tokens stand, one batched head forward (the extend) runs over every position the target computed
+and kept that step, prompt chunks included, for every request that step ran, finishing ones too
+(their blocks may serve a later request from the prefix cache). The target's features are used
+in the step that made them and never stored across steps, so no memory grows while the policy
+pauses drafting, and resuming never stalls: the first draft's logits come from the extend's last
+output, with no forward at all. Drafting then chains k - 1 single-token head forwards, each
+feeding back the head's own pre-norm output as h; the KV they write past the last computed
+position is overwritten by the next extend.
+
+A request whose prompt starts in the prefix cache starts its head state at the cached length:
+those blocks' head KV was written by the extend of the request that computed them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.runner import ModelRunner, SeqChunk
+from engine.sampler import Sampler
+from engine.speculation.model_drafter import Drafted, ModelDrafter
+from engine.speculation.proposer import Draft
+
+
+@dataclass
+class _HeadState:
+    num_computed: int = 0  # head positions [0, num_computed) hold KV made from target features
+    last_out: torch.Tensor | None = None  # [H] the head's output at position num_computed - 1
+    num_preemptions: int = 0  # the request's count when this state was made
+
+
+@dataclass(frozen=True)
+class ExtendSpan:
+    """Positions [start, start + len(token_ids)) of one request the target computed and kept in
+    a step: their features are rows [row, row + len(token_ids)) of the step's taps, and
+    token_ids are the tokens that follow each position (t + 1)."""
+
+    request: Request
+    start: int
+    token_ids: Sequence[int]
+    row: int
+
+
+class Eagle3Proposer(ModelDrafter):
+    """Drafts with an EAGLE-3 head (engine.models.eagle3.Eagle3Head) run by its own runner."""
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        runner: ModelRunner,  # the head's
+        target: ModelRunner,
+        sampler: Sampler,
+        block_manager: BlockManager,
+        min_confidence: float = 0.0,
+    ) -> None:
+        super().__init__(runner, sampler, min_confidence, target.model_config.vocab_size)
+        self.head = runner.model
+        self.target = target
+        self.block_manager = block_manager
+        self._states: dict[str, _HeadState] = {}
+        self._chain: dict[str, torch.Tensor] = {}  # request -> the last chained output [H]
+        # Device marks and token count of the last extend (start, end, num_tokens).
+        self.extend_marks: tuple[object, object, int] | None = None
+
+    def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
+        """Nothing: the head was brought current by the last step's extend."""
+
+    def free(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)
+
+    def num_behind(self, request: Request) -> int:
+        """Always current (see the module's docstring): nothing to catch up on."""
+        return 0
+
+    def _state(self, request: Request) -> _HeadState:
+        state = self._states.get(request.request_id)
+        if state is None or state.num_preemptions != request.num_preemptions:
+            state = _HeadState(num_preemptions=request.num_preemptions)
+            self._states[request.request_id] = state
+        return state
+
+    # ------------------------------------------------------------------ the extend
+
+    @torch.inference_mode()
+    def extend(self, spans: Sequence[ExtendSpan]) -> None:
+        """Write the head's KV at every span's positions from the target's taps of the step just
+        run, and keep each request's last output for its next first draft."""
+        taps = self.target.model.aux_hidden  # [step tokens, n_aux * H_target]
+        self.target.model.aux_hidden = None  # used once; never kept across steps
+        chunks, rows, lasts = [], [], []
+        for span in spans:
+            if not span.token_ids:
+                continue
+            state = self._state(span.request)
+            if state.num_computed != span.start:
+                # A new request whose prompt starts in the prefix cache (its blocks' head KV was
+                # written when they were computed), or positions the target computes again.
+                state.num_computed = span.start
+                state.last_out = None
+            table = self.block_manager.get_block_table(span.request.request_id)
+            chunks.append(SeqChunk(span.token_ids, span.start, table, 0))
+            rows.append(torch.arange(span.row, span.row + len(span.token_ids)))
+            lasts.append(len(span.token_ids))
+        if not chunks:
+            return
+        assert taps is not None, "the target ran without its taps"
+        device = self.runner.device
+        start = device.mark()
+        index = self.runner.device.tensor(torch.cat(rows).tolist(), torch.int64)
+        hidden = self.head.combine(taps[index])  # [num_tokens, H]
+        _, ctx, ids = self.runner.step_inputs(chunks)
+        out = self.head(ids, ctx, hidden)  # [num_tokens, H]
+        ends = torch.tensor(lasts).cumsum(0) - 1
+        last = out[self.runner.device.tensor(ends.tolist(), torch.int64)]  # [num_spans, H]
+        i = 0
+        for span in spans:
+            if not span.token_ids:
+                continue
+            state = self._states[span.request.request_id]
+            state.num_computed = span.start + len(span.token_ids)
+            state.last_out = last[i]
+            i += 1
+        self.extend_marks = (start, device.mark(), int(ends[-1]) + 1)
+
+    # ------------------------------------------------------------------ drafting
+
+    def _first(
+        self, requests: Sequence[Request], max_lengths: Sequence[int]
+    ) -> tuple[list[tuple[Request, int]], torch.Tensor | None, int]:
+        """No forward: the first draft's logits come from each request's last extend output."""
+        drafting, outs = [], []
+        for request, k in zip(requests, max_lengths, strict=True):
+            state = self._states.get(request.request_id)
+            if (
+                k <= 0
+                or state is None
+                or state.last_out is None
+                or state.num_preemptions != request.num_preemptions
+                or state.num_computed != request.num_computed_tokens
+            ):
+                continue
+            drafting.append((request, k))
+            outs.append(state.last_out)
+            self._chain[request.request_id] = state.last_out
+        if not drafting:
+            return drafting, None, 0
+        return drafting, self._logits(torch.stack(outs)), 0
+
+    def _next(self, active: list[tuple[Request, int]], drafted: Drafted) -> torch.Tensor:
+        """Feed each active request's latest draft with the head's own last output as h."""
+        chunks, hidden = [], []
+        for request, _ in active:
+            ids = drafted[request.request_id][0]
+            # Head position of the draft just made: it is token num_tokens - 1 + len(ids), so
+            # the head pairs it with position num_tokens - 2 + len(ids).
+            position = request.num_tokens - 2 + len(ids)
+            table = self.block_manager.get_block_table(request.request_id)
+            chunks.append(SeqChunk([ids[-1]], position, table, 1))
+            hidden.append(self._chain[request.request_id])
+        _, ctx, ids = self.runner.step_inputs(chunks)
+        out = self.head(ids, ctx, torch.stack(hidden))  # [num_active, H]
+        for i, (request, _) in enumerate(active):
+            self._chain[request.request_id] = out[i]
+        return self._logits(out)
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Pre-norm outputs [rows, H] -> logits over the target's vocabulary (-inf off the
+        draft vocabulary) [rows, vocab_size]."""
+        return self.head.to_target(self.head.compute_logits(out), self.vocab_size)
+
+    def propose(
+        self, requests: Sequence[Request], max_lengths: Sequence[int]
+    ) -> list[Draft | None]:
+        try:
+            return super().propose(requests, max_lengths)
+        finally:
+            self._chain.clear()
+
+
+def extend_spans(
+    scheduled: Sequence[tuple[Request, SeqChunk]], results: Sequence[object]
+) -> list[ExtendSpan]:
+    """What the target computed and kept in a step, per request, in the step's row order: a
+    prompt chunk short of the end keeps all its positions; a chunk that samples keeps its known
+    tokens and the drafts accepted, and the token after each is known now."""
+    spans, row = [], 0
+    step_results = iter(results)
+    for request, chunk in scheduled:
+        n = len(chunk.token_ids)
+        if not chunk.num_logits:
+            following = request.all_token_ids[chunk.start + 1 : chunk.start + n + 1]
+            spans.append(ExtendSpan(request, chunk.start, following, row))
+        else:
+            result = next(step_results)
+            num_drafts = chunk.num_logits - 1
+            known = list(chunk.token_ids[: n - num_drafts])
+            true = known + list(result.token_ids)  # type: ignore[attr-defined]
+            kept = len(known) + result.num_accepted  # type: ignore[attr-defined]
+            spans.append(ExtendSpan(request, chunk.start, true[1 : kept + 1], row))
+        row += n
+    return spans
