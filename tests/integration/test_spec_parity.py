@@ -83,7 +83,9 @@ def test_greedy_auto_policy_is_lossless(target, random_draft, expected, method):
     decisions = llm.engine.policy_stats.decisions
     assert sum(decisions.values()) > 0
     assert set(decisions) <= {("speculate", "goodput")} | {
-        ("skip", r) for r in ("compute_bound", "low_acceptance")
+        # catch_up: a step of the draft model's catch-up in chunks (its timings decide when).
+        ("skip", r)
+        for r in ("compute_bound", "low_acceptance", "catch_up")
     }
 
 
