@@ -73,7 +73,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        # Randomness is keyed by output position (see `generator`), never drawn from a stream
+        # Randomness is keyed by output position (see `random_key`), never drawn from a stream
         # that other steps or other requests advance.
         self.sampling_seed = params.seed if params.seed is not None else (sampling_seed or 0)
         self.detokenizer: Any = None  # set by the engine when a tokenizer is present
@@ -89,20 +89,24 @@ class Request:
         self.grammar: Any = None
         self.spec_stats = SpecStats()
 
-    def generator(
-        self, output_index: int, device: torch.device, stream: int = 0
-    ) -> torch.Generator:
-        """The generator, on `device` (where the logits it draws for live), for the token at
-        output position output_index (stream 0: sampling it; other streams: the verifier's and
-        the draft model's draws for that position).
+    def random_key(self, output_index: int, stream: int = 0) -> int:
+        """The key of the randomness (`engine/counter_rng.py`) for the token at output position
+        output_index (stream 0: sampling it; other streams: the verifier's and the draft
+        model's draws for that position).
 
         Keying randomness by position makes a seeded request sample the same tokens whatever
         else shares its batch, and whether or not its tokens were drafted: with one-hot drafts
-        the verifier draws each position's token exactly as plain sampling would. The draws of
-        one seed are the same on every run of one device type; CPU and CUDA generators are
-        different algorithms, so they differ from each other."""
+        the verifier draws each position's token exactly as plain sampling would. The uniforms
+        of a key are the same on every device."""
+        return _mix(self.sampling_seed, output_index, stream)
+
+    def generator(
+        self, output_index: int, device: torch.device, stream: int = 0
+    ) -> torch.Generator:
+        """A torch generator on `device` seeded with the same key: the per-request reference
+        that tests hold the counter-based draws against (the engine draws from the keys)."""
         generator = torch.Generator(device=device)
-        generator.manual_seed(_mix(self.sampling_seed, output_index, stream))
+        generator.manual_seed(self.random_key(output_index, stream))
         return generator
 
     @property

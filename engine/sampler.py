@@ -28,9 +28,11 @@ a row samples from and the one its logprobs report.
 
 Sampling (`Sampler.sample`): greedy rows take the argmax (lowest id on ties). Random rows run an
 exponential race, token = argmax(p / E) with E = -log(U) ~ Exp(1) i.i.d. per token, which draws
-exactly from p. A row with a generator draws [vocab] uniforms per sampled token from that generator
-alone, so a seeded request produces the same tokens whatever else shares its batch; the
-other random rows share one batched draw from torch's default generator.
+exactly from p. The U of every random row come from one counter-based computation
+(`engine/counter_rng.py`): row r's [vocab] uniforms are a function of its `random_key` alone, so a
+seeded request produces the same tokens whatever else shares its batch, and a step costs the same
+few launches at any number of rows. A row without a key gets a fresh one from torch's default
+generator (one draw for all of them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from itertools import chain
 
 import torch
 
+from engine.counter_rng import exponentials, row_keys
 from engine.device import to_device
 from engine.kernels import argmax_rows
 from engine.sampling_params import SamplingParams
@@ -58,7 +61,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated BEFORE this row's token
-    generator: torch.Generator | None  # per-request generator when params.seed is set, else None
+    # Key of the row's randomness (`Request.random_key`); None: a fresh random key when sampled.
+    random_key: int | None
 
 
 @dataclass(frozen=True)
@@ -444,21 +448,8 @@ def _prefix_sums(values: torch.Tensor) -> torch.Tensor:
 def _exponential_race(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Draw one token per row from softmax(processed [n, vocab]) -> [n] int64."""
     probs = processed.softmax(dim=-1)  # [n, vocab_size]
-    noise = torch.empty_like(probs)  # [n, vocab_size], U ~ Uniform[0, 1)
-    seeded = [j for j, row in enumerate(rows) if row.generator is not None]
-    if not seeded:
-        noise.uniform_()
-    elif len(seeded) < len(rows):
-        unseeded = [j for j, row in enumerate(rows) if row.generator is None]
-        noise[_host_to(probs.device, unseeded, torch.int64)] = torch.rand(
-            (len(unseeded), probs.shape[1]), device=probs.device
-        )
-    for j in seeded:
-        # Exactly [vocab] draws per sampled token from the request's own generator.
-        noise[j].uniform_(generator=rows[j].generator)
-    # E = -log(U) ~ Exp(1); on CPU this is several times faster than exponential_. U == 0 gives
-    # E = inf and a score of 0; the floor keeps E > 0 so that p / E stays finite.
-    noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+    keys = row_keys([row.random_key for row in rows], probs.device)  # [n]
+    noise = exponentials(keys, probs.shape[1])  # [n, vocab_size], E ~ Exp(1), 0 < E < inf
     return argmax_rows(probs / noise)
 
 

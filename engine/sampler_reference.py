@@ -86,9 +86,13 @@ def sample_reference(
     allowed: torch.Tensor | None = None,
 ) -> int:
     """One token for one row: argmax when greedy, else a multinomial draw from the processed
-    distribution (from row.generator when it has one)."""
+    distribution, from a torch generator seeded with row.random_key when it has one (the
+    per-request generator the counter-based draws of `engine/sampler.py` are held against)."""
     processed = process_reference(logits_row, row, eos_token_ids=eos_token_ids, allowed=allowed)
     if row.params.is_greedy:
         return int(torch.argmax(processed))
     probs = torch.softmax(processed, dim=0)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    generator = None
+    if row.random_key is not None:
+        generator = torch.Generator(device=probs.device).manual_seed(row.random_key)
+    return int(torch.multinomial(probs, 1, generator=generator))

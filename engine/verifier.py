@@ -4,8 +4,9 @@ of draft tokens by speculative rejection sampling.
 A request that verifies k drafts owns k + 1 consecutive logit rows (the target's p_1 .. p_{k+1}
 from the single forward). Row j is processed with the request's history extended by d_1 .. d_j,
 so penalties and min_tokens advance position by position inside the window exactly as they
-would without speculation, and row j draws its randomness from the generator of its own output
-position. Two verification paths, both exact:
+would without speculation, and row j draws its randomness from the key of its own output position
+(`Request.random_key`; the draws of all rows are one batched counter computation,
+`engine/counter_rng.py`). Two verification paths, both exact:
 
 - one-hot drafts (n-gram, predicted outputs, a greedy draft model) and greedy requests: every row
   samples its token x_j exactly as plain sampling would; drafts are accepted while d_j == x_j and
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.counter_rng import row_keys
 from engine.device import to_device
 from engine.outputs import TokenLogprob
 from engine.request import Request
@@ -36,7 +38,7 @@ from engine.speculation.proposer import Draft
 from engine.speculation.rejection import rejection_sample, verify_by_sampling
 from engine.structured.masks import TokenMasks, new_masks
 
-# Generator streams of one output position (stream 0 samples the token itself).
+# Randomness streams of one output position (stream 0 samples the token itself).
 VERIFY_STREAM = 1
 DRAFT_STREAM = 2
 
@@ -76,15 +78,16 @@ class _History(Sequence[int]):
 def sampling_row(
     request: Request, draft_ids: Sequence[int], device: torch.device, stream: int = 0
 ) -> SamplingRow:
-    """The row for the position after request's output followed by draft_ids; its generator
-    lives on `device`, the device of the logits it samples."""
+    """The row for the position after request's output followed by draft_ids, keyed for that
+    position and stream. (`device`, where the logits live, is kept for callers: the key is a
+    plain integer, its draws are made on the logits' device.)"""
     params, output = request.params, request.output_token_ids
     index = len(output) + len(draft_ids)
     return SamplingRow(
         params=params,
         prompt_token_ids=request.prompt_token_ids,
         output_token_ids=_History(output, draft_ids) if draft_ids else output,
-        generator=None if params.is_greedy else request.generator(index, device, stream),
+        random_key=None if params.is_greedy else request.random_key(index, stream),
     )
 
 
@@ -152,15 +155,7 @@ class Verifier:
             processed[idx],
             [drafts[i] for i in spec],
             torch.cat([items[i][1].probs for i in spec]),  # type: ignore[union-attr, misc]
-            [
-                [
-                    items[i][0].generator(
-                        len(items[i][0].output_token_ids) + j, logits.device, VERIFY_STREAM
-                    )
-                    for j in range(len(drafts[i]) + 1)
-                ]
-                for i in spec
-            ],
+            _verify_keys([items[i][0] for i in spec], [drafts[i] for i in spec], logits.device),
         )
         for i, out, num in zip(spec, result.output_token_ids, result.num_accepted, strict=True):
             tokens[i], accepted[i] = out, num
@@ -172,6 +167,19 @@ class Verifier:
         )
         scored = with_logprobs(processed[emit_rows], emitted, [rows[r] for r in emit_rows])
         return _results(tokens, accepted, drafts, _row_starts([t[1:] for t in tokens]), scored)
+
+
+def _verify_keys(
+    requests: Sequence[Request], drafts: Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """[num_rows] int64 on `device`: the VERIFY_STREAM key of every row of the requests
+    verifying drafts with a distribution, in row order; one copy for the whole step."""
+    keys = [
+        request.random_key(len(request.output_token_ids) + j, VERIFY_STREAM)
+        for request, ids in zip(requests, drafts, strict=True)
+        for j in range(len(ids) + 1)
+    ]
+    return row_keys(keys, device)
 
 
 def grammar_masks(

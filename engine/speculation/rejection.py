@@ -17,14 +17,16 @@ Batch layout: requests keep their order; request i owns k_i + 1 consecutive rows
 rows (p_1..p_{k_i+1}) and k_i consecutive rows of the draft probabilities (q_1..q_{k_i}).
 
 Randomness contract of `rejection_sample` (`rejection_sample_reference` keeps it draw for draw,
-so both produce identical tokens for identically seeded generators, and a request's tokens do not
-depend on what else is in its batch): row j of request i draws ONLY from generators[i][j]:
-1. draft rows (j <= k_i) draw one uniform, `torch.rand(1, generator=g)`, for the acceptance test
+so both produce identical tokens for the same keys, and a request's tokens do not depend on what
+else is in its batch): each target row has a key (`engine/counter_rng.py`), and row j of request i
+draws ONLY from its own key:
+1. draft rows (j <= k_i) take the uniform at column ACCEPT_COLUMN for the acceptance test
    u < p_j(d_j) / q_j(d_j) -- every draft row, also those after the first rejection;
-2. the one row that emits a sampled token (recovered or bonus) then draws `exponential_noise`:
-   vocab uniforms U, E = -log(U) floored at float32 tiny, token = argmax(weights / E) with
-   weights the unnormalised residual (or p_{k+1} for the bonus). The bonus row's generator is
-   untouched unless it emits.
+2. the one row that emits a sampled token (recovered or bonus) takes the exponentials E of
+   columns [0, vocab): token = argmax(weights / E) with weights the unnormalised residual (or
+   p_{k+1} for the bonus).
+The acceptance uniforms of all draft rows are one counter computation, the noise of all emitting
+rows another: no launch per request or per row.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.counter_rng import exponentials, uniforms
 from engine.device import to_device
 from engine.kernels import argmax_rows
 
-_TINY = torch.finfo(torch.float32).tiny
+# A column past any vocabulary: a draft row's acceptance uniform is never one of the values its
+# noise would use if it emits, so the acceptance test and the recovered token stay independent.
+ACCEPT_COLUMN = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -53,17 +58,6 @@ class VerifyResult:
             len(ids) == a + 1
             for a, ids in zip(self.num_accepted, self.output_token_ids, strict=True)
         )
-
-
-def exponential_noise(vocab_size: int, generator: torch.Generator) -> torch.Tensor:
-    """[vocab_size] float32 E ~ Exp(1) i.i.d., from `vocab_size` uniforms of `generator` alone.
-
-    Always computed on one row's own [vocab] tensor: a batched log may round an element at a
-    vectorisation tail differently, and the reference must get bit-identical noise.
-    """
-    noise = torch.rand(vocab_size, generator=generator, device=generator.device)  # [vocab_size]
-    # E = -log(U); U == 0 gives inf (score 0); the floor keeps E > 0 so weights / E stays finite.
-    return noise.log_().neg_().clamp_min_(_TINY)
 
 
 def exponential_race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -160,7 +154,7 @@ def rejection_sample(
     target_logits: torch.Tensor,
     draft_token_ids: Sequence[Sequence[int]],
     draft_probs: torch.Tensor,
-    generators: Sequence[Sequence[torch.Generator]],
+    keys: torch.Tensor,
 ) -> VerifyResult:
     """Standard speculative sampling (Leviathan et al.; Chen et al.) for drafts with a
     distribution: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
@@ -168,30 +162,25 @@ def rejection_sample(
     sample the bonus from p_{k+1}. The emitted tokens are distributed exactly as the target's.
 
     target_logits [num_rows, vocab] processed float32 logits (-inf = masked), rows as in the
-    module docstring; draft_probs [sum k_i, vocab] float32 q rows; generators[i] has one
-    generator per row of request i (k_i + 1), used as the module's randomness contract says.
+    module docstring; draft_probs [sum k_i, vocab] float32 q rows; keys [num_rows] int64, the
+    key of every target row, used as the module's randomness contract says.
     k_i == 0 is allowed (the request just samples its one row). A draft with q_j(d_j) == 0 or
     p_j(d_j) == 0 is rejected.
     """
     device = target_logits.device
     layout = _layout(draft_token_ids, device)
-    _check_inputs(target_logits, draft_token_ids, draft_probs, generators, layout)
+    _check_inputs(target_logits, draft_token_ids, draft_probs, keys, layout)
+    keys = keys.to(device)  # [num_rows]
     probs = target_logits.to(torch.float32).softmax(dim=-1)  # [num_rows, vocab]
     q = draft_probs.to(device=device, dtype=torch.float32)  # [total_drafts, vocab]
-    draws = [
-        torch.rand(1, generator=gen, device=gen.device)
-        for gens, ids in zip(generators, draft_token_ids, strict=True)
-        for gen in gens[: len(ids)]
-    ]
-    uniforms = torch.cat(draws).to(device) if draws else torch.empty(0, device=device)
-    # uniforms: [total_drafts]
+    draws = uniforms(keys[layout.draft_rows], 1, ACCEPT_COLUMN)[:, 0]  # [total_drafts]
     p_draft = probs[layout.draft_rows, layout.draft_ids]  # [total_drafts]
     q_draft = q[torch.arange(q.shape[0], device=device), layout.draft_ids]  # [total_drafts]
     # u < p / q accepts with probability min(1, p / q); p == 0 gives 0 and never accepts. A
     # draft with q == 0 could not have been drawn from q: reject it rather than divide by 0.
-    is_accepted = (q_draft > 0) & (uniforms < p_draft / q_draft)  # [total_drafts]
+    is_accepted = (q_draft > 0) & (draws < p_draft / q_draft)  # [total_drafts]
     num_accepted = _count_accepted(is_accepted, layout)  # [num_requests]
-    tokens = _sample_emitted(probs, q, num_accepted, layout, generators)  # [num_requests]
+    tokens = _sample_emitted(probs, q, num_accepted, layout, keys)  # [num_requests]
     accepted_list = num_accepted.tolist()
     output_token_ids = [
         [*ids[:a], token]
@@ -205,14 +194,15 @@ def _sample_emitted(
     q: torch.Tensor,
     num_accepted: torch.Tensor,
     layout: _Layout,
-    generators: Sequence[Sequence[torch.Generator]],
+    keys: torch.Tensor,
 ) -> torch.Tensor:
     """One recovered or bonus token per request -> [num_requests] int64, drawn in one batched
-    exponential race over the emitting rows only."""
+    exponential race over the emitting rows only (keys [num_rows], of every target row)."""
     num_requests, vocab_size = num_accepted.shape[0], probs.shape[1]
     if num_requests == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
-    p_emit = probs[layout.first_rows + num_accepted]  # [num_requests, vocab]
+    emit_rows = layout.first_rows + num_accepted  # [num_requests]
+    p_emit = probs[emit_rows]  # [num_requests, vocab]
     is_bonus = (num_accepted == layout.num_drafts).unsqueeze(1)  # [num_requests, 1]
     if q.shape[0]:
         # A bonus row has no q: index any valid row, then subtract zero, which leaves p exact.
@@ -225,12 +215,7 @@ def _sample_emitted(
     # fall back to p so that a degenerate input still samples a supported token.
     has_mass = (residual > 0).any(dim=-1, keepdim=True)  # [num_requests, 1]
     weights = torch.where(has_mass, residual, p_emit)  # [num_requests, vocab]
-    noise = torch.stack(
-        [
-            exponential_noise(vocab_size, generators[i][a])
-            for i, a in enumerate(num_accepted.tolist())
-        ]
-    ).to(probs.device)  # [num_requests, vocab]
+    noise = exponentials(keys[emit_rows], vocab_size)  # [num_requests, vocab]
     return exponential_race(weights, noise)
 
 
@@ -238,7 +223,7 @@ def _check_inputs(
     target_logits: torch.Tensor,
     draft_token_ids: Sequence[Sequence[int]],
     draft_probs: torch.Tensor,
-    generators: Sequence[Sequence[torch.Generator]],
+    keys: torch.Tensor,
     layout: _Layout,
 ) -> None:
     num_drafts = layout.num_drafts.tolist()
@@ -249,7 +234,7 @@ def _check_inputs(
     expected = (sum(num_drafts), target_logits.shape[1])
     if tuple(draft_probs.shape) != expected:
         raise ValueError(f"draft_probs must be {list(expected)}, got {tuple(draft_probs.shape)}.")
-    if [len(gens) for gens in generators] != [k + 1 for k in num_drafts]:
-        raise ValueError("generators must hold one generator per target row of each request.")
+    if tuple(keys.shape) != (layout.num_rows,):
+        raise ValueError(f"keys must be [{layout.num_rows}], one per target row.")
     if any(not 0 <= t < expected[1] for ids in draft_token_ids for t in ids):
         raise ValueError("draft token ids must lie in [0, vocab).")

@@ -121,7 +121,9 @@ def test_sampling_with_one_hot_drafts_equals_plain_sampling(target):
     ]
     spec = LLM(str(target), dtype="float32", seed=3, speculative_config=_spec("ngram", 4, None))
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == plain
-    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    # Sampled n-gram drafts of this tiny model are accepted about once in twenty: how many of
+    # these few are depends on the seeds' draws. The predictions below are accepted for sure.
+    assert spec.engine.spec_stats.num_draft_tokens > 0
     engine = LLM(str(target), dtype="float32", seed=3).engine
     for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(str(i), prompt, p, prediction=plain[i])
@@ -130,6 +132,7 @@ def test_sampling_with_one_hot_drafts_equals_plain_sampling(target):
         done.update({o.request_id: o.outputs[0].token_ids for o in whole.add_step(engine.step())})
     assert [done[str(i)] for i in range(len(PROMPTS))] == plain
     assert engine.spec_stats.num_prediction_rejected == 0
+    assert engine.spec_stats.num_prediction_accepted > 0
 
 
 def test_predicted_outputs(target, expected):

@@ -11,6 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.counter_rng import exponentials
+from engine.request import _mix
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.speculation.rejection import VerifyResult, rejection_sample, verify_by_sampling
@@ -24,17 +26,20 @@ NUM_TRIALS = 20_000
 VOCAB = 16
 
 
-def _gens(base: int, count: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(base + c) for c in range(count)]
+def _keys(base: int, count: int) -> list[int]:
+    """Row keys as the engine makes them (a hash of seed and position): seed base, positions
+    0 .. count - 1."""
+    return [_mix(base, c) for c in range(count)]
 
 
-def _row_gens(base: int, num_drafts: list[int]) -> list[list[torch.Generator]]:
-    """One generator per target row, seeded base, base + 1, ... in batch order."""
-    gens, offset = [], base
-    for k in num_drafts:
-        gens.append(_gens(offset, k + 1))
-        offset += k + 1
-    return gens
+def _row_keys(base: int, num_drafts: list[int]) -> list[list[int]]:
+    """One key per target row of each request, request i keyed by seed base + i."""
+    return [_keys(base + i, k + 1) for i, k in enumerate(num_drafts)]
+
+
+def _flat(keys: list[list[int]]) -> torch.Tensor:
+    """[num_rows] int64, the keys of every target row in batch order."""
+    return torch.tensor([key for row in keys for key in row], dtype=torch.int64)
 
 
 def _chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -100,18 +105,14 @@ def test_vectorised_matches_reference(vocab_size: int, num_requests: int, min_k:
     rnd = random.Random(vocab_size + min_k)
     num_drafts = [rnd.randint(min_k, 8) for _ in range(num_requests)]
     logits, drafts, q = _random_batch(vocab_size, num_drafts, seed=vocab_size + min_k)
-    gens = _row_gens(7_000, num_drafts)
-    result = rejection_sample(logits, drafts, q, gens)
+    keys = _row_keys(7_000, num_drafts)
+    result = rejection_sample(logits, drafts, q, _flat(keys))
 
-    ref_gens = _row_gens(7_000, num_drafts)
     row = q_row = 0
     for i, k in enumerate(num_drafts):
         p_i, q_i = logits[row : row + k + 1], q[q_row : q_row + k]
-        expected = rejection_sample_reference(p_i, drafts[i], q_i, ref_gens[i])
+        expected = rejection_sample_reference(p_i, drafts[i], q_i, keys[i])
         assert (result.num_accepted[i], result.output_token_ids[i]) == expected, i
-        # Same draws from the same generators, not merely the same tokens.
-        for g, ref in zip(gens[i], ref_gens[i], strict=True):
-            assert torch.equal(g.get_state(), ref.get_state())
         row, q_row = row + k + 1, q_row + k
     # The batch must exercise every outcome: all accepted, a middle rejection, a first rejection.
     outcomes = list(zip(result.num_accepted, num_drafts, strict=True))
@@ -135,7 +136,7 @@ def test_equal_p_and_q_accepts_everything_and_emits_bonus() -> None:
     logits[3, :4] = NEG_INF
     q = torch.softmax(logits[:3], dim=-1)  # [k, vocab]
     for seed in range(50):
-        result = rejection_sample(logits, [[5, 0, 7]], q, [_gens(100 * seed, 4)])
+        result = rejection_sample(logits, [[5, 0, 7]], q, _flat([_keys(seed, 4)]))
         assert result.num_accepted == [3]
         assert result.output_token_ids[0][:3] == [5, 0, 7]
         assert result.output_token_ids[0][3] >= 4  # the bonus comes from p_4's support
@@ -148,7 +149,7 @@ def test_zero_q_rejects_and_residual_recovers_the_draft() -> None:
     q = torch.full((2, 8), 1 / 7)
     q[0] = 1 / 8
     q[1, 6] = 0.0
-    result = rejection_sample(logits, [[1, 6]], q, [_gens(5, 3)])
+    result = rejection_sample(logits, [[1, 6]], q, _flat([_keys(5, 3)]))
     assert result == VerifyResult([1], [[1, 6]])
 
 
@@ -157,7 +158,7 @@ def test_zero_p_rejects_and_recovers_inside_the_support() -> None:
     logits[0, 2] = logits[0, 5] = NEG_INF
     q = torch.full((2, 8), 1 / 8)  # [2, vocab]
     for seed in range(100):
-        result = rejection_sample(logits, [[2, 3]], q, [_gens(10 * seed, 3)])
+        result = rejection_sample(logits, [[2, 3]], q, _flat([_keys(seed, 3)]))
         assert result.num_accepted == [0]
         assert result.output_token_ids[0][0] not in (2, 5)
 
@@ -166,38 +167,49 @@ def test_one_hot_q_never_recovers_the_draft() -> None:
     logits = torch.zeros(2, 4)  # [2, vocab]: uniform p, acceptance probability 1/4
     q = torch.zeros(1, 4)
     q[0, 1] = 1.0
-    outcomes = [rejection_sample(logits, [[1]], q, [_gens(3 * s, 2)]) for s in range(200)]
+    outcomes = [rejection_sample(logits, [[1]], q, _flat([_keys(s, 2)])) for s in range(200)]
     rejected = [r.output_token_ids[0][0] for r in outcomes if r.num_accepted == [0]]
     assert 100 < len(rejected) < 200 and 1 not in rejected
 
 
-def test_generators_follow_the_randomness_contract() -> None:
-    # d_1 has p == 0: row 0 draws 1 + vocab uniforms, rows 1-2 one each, the bonus row none.
+def test_rows_draw_from_their_own_keys_as_the_contract_says() -> None:
+    # d_1 has p == 0: row 0 is rejected and recovers with the noise of row 0's own key; what
+    # the keys of rows 1-3 hold, and what other requests share the batch, cannot matter.
     logits = torch.zeros(4, 8)  # [k+1, vocab], k = 3
     logits[0, 3] = NEG_INF
-    q = torch.full((3, 8), 1 / 8)
-    gens = _gens(40, 4)
-    rejection_sample(logits, [[3, 1, 1]], q, [gens])
-    expected = _gens(40, 4)
-    torch.rand(1, generator=expected[0])
-    torch.rand(8, generator=expected[0])
-    torch.rand(1, generator=expected[1])
-    torch.rand(1, generator=expected[2])
-    for g, e in zip(gens, expected, strict=True):
-        assert torch.equal(g.get_state(), e.get_state())
+    q = torch.full((3, 8), 1 / 8)  # [k, vocab]
+    residual = (torch.softmax(logits[0], dim=-1) - q[0]).clamp_min(0.0)  # [vocab]
+    recovered = []
+    for seed in range(40):
+        keys = _keys(seed, 4)
+        noise = exponentials(torch.tensor(keys[:1]), 8)[0]  # [vocab], row 0's columns 0..7
+        expected = [int((residual / noise).argmax())]
+        assert rejection_sample(logits, [[3, 1, 1]], q, _flat([keys])).output_token_ids == [
+            expected
+        ]
+        other_rows = [keys[0], *_keys(seed + 1000, 3)]
+        others = rejection_sample(
+            torch.cat([logits[:2], logits]), [[1], [3, 1, 1]], torch.cat([q[:1], q]),
+            _flat([_keys(seed + 2000, 2), other_rows]),
+        )  # fmt: skip
+        assert others.output_token_ids[1] == expected
+        recovered += expected
+    assert len(set(recovered)) > 3  # the keys do steer the draw
 
 
 def test_empty_batch_and_bad_inputs() -> None:
-    assert rejection_sample(torch.zeros(0, 8), [], torch.zeros(0, 8), []) == VerifyResult([], [])
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert rejection_sample(torch.zeros(0, 8), [], torch.zeros(0, 8), empty) == VerifyResult([], [])
     logits, q = torch.zeros(3, 8), torch.full((2, 8), 1 / 8)
+    keys = _flat([_keys(0, 3)])
     with pytest.raises(ValueError, match="target_logits"):
-        rejection_sample(logits[:2], [[1, 2]], q, [_gens(0, 3)])
+        rejection_sample(logits[:2], [[1, 2]], q, keys)
     with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample(logits, [[1, 2]], q[:1], [_gens(0, 3)])
-    with pytest.raises(ValueError, match="generators"):
-        rejection_sample(logits, [[1, 2]], q, [_gens(0, 2)])
+        rejection_sample(logits, [[1, 2]], q[:1], keys)
+    with pytest.raises(ValueError, match="keys"):
+        rejection_sample(logits, [[1, 2]], q, keys[:2])
     with pytest.raises(ValueError, match="draft token ids"):
-        rejection_sample(logits, [[1, 8]], q, [_gens(0, 3)])
+        rejection_sample(logits, [[1, 8]], q, keys)
     with pytest.raises(ValueError, match="sampled_token_ids"):
         verify_by_sampling(torch.tensor([1, 2]), [[1, 2]])
 
@@ -262,21 +274,21 @@ def _target_and_draft() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def trials() -> Trials:
     p_logits, q = _target_and_draft()
-    draft_gens = _gens(1_000_000, NUM_TRIALS)
+    draft_gens = [torch.Generator().manual_seed(1_000_000 + t) for t in range(NUM_TRIALS)]
     drafts = torch.cat([torch.multinomial(q, 1, generator=g).T for g in draft_gens])
     # drafts: [NUM_TRIALS, 2], d_1 ~ q_1 and d_2 ~ q_2 from each trial's own generator
     draft_lists = drafts.tolist()
     num_drafts = [2] * NUM_TRIALS
     result = rejection_sample(
         p_logits.repeat(NUM_TRIALS, 1), draft_lists, q.repeat(NUM_TRIALS, 1),
-        _row_gens(2_000_000, num_drafts),
+        _flat(_row_keys(2_000_000, num_drafts)),
     )  # fmt: skip
     # A trial that rejects d_1 emits one token; its second comes from the next verify step, whose
     # fresh draft from q_2 may be d_2 (drawn independently of everything step one used).
     redo = [i for i, a in enumerate(result.num_accepted) if a == 0]
     follow = rejection_sample(
         p_logits[1:].repeat(len(redo), 1), [[draft_lists[i][1]] for i in redo],
-        q[1:].repeat(len(redo), 1), _row_gens(3_000_000, [1] * len(redo)),
+        q[1:].repeat(len(redo), 1), _flat(_row_keys(3_000_000, [1] * len(redo))),
     )  # fmt: skip
     second = {i: out[0] for i, out in zip(redo, follow.output_token_ids, strict=True)}
     outs = result.output_token_ids
@@ -344,14 +356,14 @@ def test_broken_rules_fail_the_distribution_test(trials: Trials) -> None:
 @pytest.fixture(scope="module")
 def one_hot_trials() -> tuple[torch.Tensor, tuple[int, int], torch.Tensor, VerifyResult]:
     """NUM_TRIALS requests with the same fixed drafts; the target's own samples x_j drawn by the
-    engine Sampler, each row from its own seeded generator."""
+    engine Sampler, each row from its own key."""
     p_logits, _ = _target_and_draft()
     p = torch.softmax(p_logits.double(), dim=-1)  # [3, VOCAB]
     drafts = (int(p[0].argsort(descending=True)[2]), int(p[1].argmax()))  # fixed d_1, d_2
     params = SamplingParams(temperature=1.0)
     rows = [
-        SamplingRow(params, (1,), (), g) for gens in _row_gens(4_000_000, [2] * NUM_TRIALS)
-        for g in gens
+        SamplingRow(params, (1,), (), key) for keys in _row_keys(4_000_000, [2] * NUM_TRIALS)
+        for key in keys
     ]  # fmt: skip
     sampled = Sampler(VOCAB, eos_token_ids=()).sample(p_logits.repeat(NUM_TRIALS, 1), rows)
     result = verify_by_sampling(sampled.token_ids, [drafts] * NUM_TRIALS)

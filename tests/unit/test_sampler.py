@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.request import _mix
 from engine.sampler import Sampler, SamplingRow, _prefix_sums
 from engine.sampler_reference import process_reference, sample_reference
 from engine.sampling_params import SamplingParams
@@ -16,8 +18,8 @@ EOS = (2, 7)
 NUM_DRAWS = 20_000
 
 
-def _row(params: SamplingParams, prompt=(1, 3, 3), output=(), generator=None) -> SamplingRow:
-    return SamplingRow(params, tuple(prompt), tuple(output), generator)
+def _row(params: SamplingParams, prompt=(1, 3, 3), output=(), random_key=None) -> SamplingRow:
+    return SamplingRow(params, tuple(prompt), tuple(output), random_key)
 
 
 def _random_params(rnd: random.Random, vocab_size: int) -> SamplingParams:
@@ -122,8 +124,13 @@ BASE_LOGITS = torch.tensor([1.2, 0.3, -0.4, 2.0, 0.9, -1.0, 0.0, 1.6, -0.2, 0.5,
 
 
 def _draw_counts(row: SamplingRow) -> torch.Tensor:
-    """Counts of NUM_DRAWS tokens sampled by replicating the row in one batch."""
-    out = Sampler(VOCAB, EOS).sample(BASE_LOGITS.repeat(NUM_DRAWS, 1), [row] * NUM_DRAWS)
+    """Counts of NUM_DRAWS tokens sampled by replicating the row in one batch; a keyed row is
+    replicated at NUM_DRAWS positions of its seed (one key would draw one token NUM_DRAWS
+    times)."""
+    rows = [row] * NUM_DRAWS
+    if row.random_key is not None:
+        rows = [replace(row, random_key=_mix(row.random_key, i)) for i in range(NUM_DRAWS)]
+    out = Sampler(VOCAB, EOS).sample(BASE_LOGITS.repeat(NUM_DRAWS, 1), rows)
     return torch.bincount(out.token_ids, minlength=VOCAB)
 
 
@@ -176,15 +183,17 @@ def test_chisquare_detects_wrong_distribution() -> None:
 
 
 def test_seeded_rows_follow_distribution() -> None:
-    generator = torch.Generator().manual_seed(5)
-    row = _row(SamplingParams(temperature=0.8, top_p=0.9, seed=5), generator=generator)
+    row = _row(SamplingParams(temperature=0.8, top_p=0.9, seed=5), random_key=5)
     assert _chisquare_p(_draw_counts(row), _reference_probs(row)) > 0.001
 
 
 def test_sample_reference_follows_distribution() -> None:
-    generator = torch.Generator().manual_seed(3)
-    row = _row(SamplingParams(top_k=5, temperature=0.9), generator=generator)
-    tokens = [sample_reference(BASE_LOGITS, row, eos_token_ids=EOS) for _ in range(4000)]
+    params = SamplingParams(top_k=5, temperature=0.9)
+    row = _row(params)
+    tokens = [
+        sample_reference(BASE_LOGITS, _row(params, random_key=_mix(3, i)), eos_token_ids=EOS)
+        for i in range(4000)
+    ]
     counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB)
     assert _chisquare_p(counts, _reference_probs(row)) > 0.001
 
@@ -250,19 +259,19 @@ def test_min_tokens_bans_eos_and_stop_ids() -> None:
 
 
 def _seeded_tokens(seed: int, batch_extra: int, num_steps: int = 6) -> list[int]:
-    """Tokens of one seeded row over several steps, with `batch_extra` other rows around it."""
+    """Tokens of one seeded row over several steps (its output positions), with `batch_extra`
+    other rows around it."""
     params = SamplingParams(temperature=1.0, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    others = [
-        _row(SamplingParams(seed=100 + j), generator=torch.Generator().manual_seed(100 + j))
-        if j % 2
-        else _row(SamplingParams(top_p=0.9))
-        for j in range(batch_extra)
-    ]
     logits = torch.zeros(1 + batch_extra, 200)  # uniform: every draw depends on the noise
     tokens = []
-    for _ in range(num_steps):
-        rows = [*others[: batch_extra // 2], _row(params, generator=generator)]
+    for step in range(num_steps):
+        others = [
+            _row(SamplingParams(seed=100 + j), random_key=_mix(100 + j, step))
+            if j % 2
+            else _row(SamplingParams(top_p=0.9))
+            for j in range(batch_extra)
+        ]
+        rows = [*others[: batch_extra // 2], _row(params, random_key=_mix(seed, step))]
         rows += others[batch_extra // 2 :]
         out = Sampler(200, EOS).sample(logits, rows)
         tokens.append(int(out.token_ids[batch_extra // 2]))
@@ -406,8 +415,7 @@ CONTEXTS = (  # (position of the rows under test, their neighbours)
 
 
 def _seeded_row(params: SamplingParams) -> SamplingRow:
-    generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-    return _row(params, generator=generator)
+    return _row(params, random_key=None if params.seed is None else _mix(params.seed, 0))
 
 
 def _assert_batch_invariant(row_logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -421,7 +429,7 @@ def _assert_batch_invariant(row_logits: torch.Tensor, params: list[SamplingParam
         alone.append(processed[0])
         alone_tokens.append(sampler.sample_processed(processed, rows).token_ids[0])
     for position, neighbours in CONTEXTS:
-        # Fresh generators: a seeded row draws what it drew alone.
+        # The same keys: a seeded row draws what it drew alone.
         rows = [_seeded_row(p) for p in neighbours]
         rows[position:position] = [_seeded_row(p) for p in params]
         logits = torch.cat(
