@@ -374,7 +374,7 @@ def load_head(
     unfilled = [n for n, p in params.items() if filled[n] != p.numel()]
     if unfilled:
         raise ValueError(f"{where}: no values for {', '.join(unfilled)}.")
-    ids = torch.arange(head.draft_vocab_size, dtype=torch.int64)
+    ids = torch.arange(head.draft_vocab_size, dtype=torch.int64, device="cpu")
     if "d2t" in given:
         d2t = given["d2t"]
         if tuple(d2t.shape) != (head.draft_vocab_size,) or d2t.is_floating_point():
@@ -413,8 +413,8 @@ def head_state(model: Eagle3Head) -> dict[str, torch.Tensor]:
         else:
             out[name] = tensor
     ids = model.draft_to_target.to("cpu")
-    out["d2t"] = ids - torch.arange(len(ids), dtype=torch.int64)
-    t2d = torch.zeros(head.vocab_size, dtype=torch.bool)
+    out["d2t"] = ids - torch.arange(len(ids), dtype=torch.int64, device="cpu")
+    t2d = torch.zeros(head.vocab_size, dtype=torch.bool, device="cpu")
     t2d[ids] = True
     out["t2d"] = t2d
     return out

@@ -21,6 +21,7 @@ those blocks' head KV was written by the extend of the request that computed the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,19 +113,19 @@ class Eagle3Proposer(ModelDrafter):
                 state.last_out = None
             table = self.block_manager.get_block_table(span.request.request_id)
             chunks.append(SeqChunk(span.token_ids, span.start, table, 0))
-            rows.append(torch.arange(span.row, span.row + len(span.token_ids)))
+            rows.append(range(span.row, span.row + len(span.token_ids)))
             lasts.append(len(span.token_ids))
         if not chunks:
             return
         assert taps is not None, "the target ran without its taps"
         device = self.runner.device
         start = device.mark()
-        index = self.runner.device.tensor(torch.cat(rows).tolist(), torch.int64)
+        index = self.runner.device.tensor([r for span_rows in rows for r in span_rows], torch.int64)
         hidden = self.head.combine(taps[index])  # [num_tokens, H]
         _, ctx, ids = self.runner.step_inputs(chunks)
         out = self.head(ids, ctx, hidden)  # [num_tokens, H]
-        ends = torch.tensor(lasts).cumsum(0) - 1
-        last = out[self.runner.device.tensor(ends.tolist(), torch.int64)]  # [num_spans, H]
+        ends = list(itertools.accumulate(lasts))
+        last = out[self.runner.device.tensor([e - 1 for e in ends], torch.int64)]  # [spans, H]
         i = 0
         for span in spans:
             if not span.token_ids:
@@ -133,7 +134,7 @@ class Eagle3Proposer(ModelDrafter):
             state.num_computed = span.start + len(span.token_ids)
             state.last_out = last[i]
             i += 1
-        self.extend_marks = (start, device.mark(), int(ends[-1]) + 1)
+        self.extend_marks = (start, device.mark(), ends[-1])
 
     # ------------------------------------------------------------------ drafting
 
