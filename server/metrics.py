@@ -123,6 +123,7 @@ class EngineSnapshot:
     num_cut_by_stop: int
     num_prediction_accepted: int
     num_prediction_rejected: int
+    by_source: tuple[tuple[str, int, int], ...]  # (draft source, draft tokens, accepted)
     draft_time: HistogramData
     verify_time: HistogramData
     # The policy
@@ -164,6 +165,7 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_cut_by_stop=spec.num_cut_by_stop,
         num_prediction_accepted=spec.num_prediction_accepted,
         num_prediction_rejected=spec.num_prediction_rejected,
+        by_source=tuple((source, n, a) for source, (n, a) in sorted(spec.by_source.items())),
         draft_time=HistogramData.of(serving.draft_time),
         verify_time=HistogramData.of(serving.verify_time),
         policy_decisions=tuple(policy.decisions.items()),
@@ -252,6 +254,18 @@ class EngineCollector(Collector):
             ((str(pos),) for pos in range(1, len(s.accepted_per_pos) + 1)),
             s.accepted_per_pos,
         )
+        for name, doc, column in (
+            ("spec_decode_num_draft_tokens_by_method", "Draft tokens verified", 1),
+            ("spec_decode_num_accepted_tokens_by_method", "Draft tokens accepted", 2),
+        ):
+            yield self._counter(
+                name,
+                f"{doc}, by the draft source that made them (ngram, draft_model, eagle3, "
+                "prediction, grammar).",
+                "method",
+                ((row[0],) for row in s.by_source),
+                (row[column] for row in s.by_source),
+            )
         decisions = dict.fromkeys(POLICY_DECISIONS, 0) | dict(s.policy_decisions)
         yield self._counter(
             "spec_decode_policy_decisions",

@@ -40,6 +40,7 @@ from server.responses import (
     CompletionStreamChoice,
     CompletionTokensDetails,
     FinishReason,
+    MethodStats,
     PromptTokensDetails,
     SpeculativeDecodingStats,
     TopLogprob,
@@ -104,6 +105,10 @@ def spec_stats_of(stats: SpecStats | None) -> SpeculativeDecodingStats:
         num_draft_tokens=stats.num_draft_tokens,
         num_accepted_draft_tokens=stats.num_accepted_tokens,
         acceptance_histogram=list(stats.acceptance_histogram),
+        by_method={
+            source: MethodStats(num_draft_tokens=n, num_accepted_draft_tokens=a)
+            for source, (n, a) in sorted(stats.by_source.items())
+        },
     )
 
 

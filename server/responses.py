@@ -57,6 +57,13 @@ class Usage(BaseModel):
 # --- specserve extension: per-choice speculation stats ---
 
 
+class MethodStats(BaseModel):
+    """One draft source's share of a choice's speculation."""
+
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+
+
 class SpeculativeDecodingStats(BaseModel):
     """How speculation went for one choice (opt-in: `speculation.return_stats` or the server's
     `speculation_stats` setting). A "spec step" is a verify step with at least one draft token.
@@ -67,6 +74,8 @@ class SpeculativeDecodingStats(BaseModel):
     draft_acceptance_rate: num_accepted_draft_tokens / num_draft_tokens (0.0 without drafts).
     acceptance_histogram[a]: spec steps that accepted exactly a drafts; it sums to num_spec_steps
     and is as long as the largest a seen, plus one ([] without spec steps).
+    by_method: per draft source that drafted for the choice (ngram, draft_model, eagle3,
+    prediction, grammar), its draft tokens and accepted draft tokens.
     """
 
     mean_acceptance_length: float
@@ -75,6 +84,7 @@ class SpeculativeDecodingStats(BaseModel):
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     acceptance_histogram: list[int]
+    by_method: dict[str, MethodStats] = {}
 
 
 class _Choice(BaseModel):

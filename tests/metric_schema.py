@@ -21,6 +21,8 @@ COUNTERS = (
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
+    "spec_decode_num_draft_tokens_by_method",
+    "spec_decode_num_accepted_tokens_by_method",
     "spec_decode_policy_decisions",
     "spec_decode_mode_seconds",
     "spec_decode_mode_generation_tokens",

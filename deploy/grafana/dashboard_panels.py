@@ -243,6 +243,19 @@ SPECULATION = (
         description="Share of drafts whose token at this position (1-based) was accepted.",
     ),
     Panel(
+        "Acceptance by draft method",
+        (
+            Query(
+                f"{rate('spec_decode_num_accepted_tokens_by_method_total', 'model_name, method')}"
+                f" / {rate('spec_decode_num_draft_tokens_by_method_total', 'model_name, method')}",
+                "{{method}} {{model_name}}",
+            ),
+        ),
+        unit="percentunit",
+        description="Share of each draft source's tokens accepted (ngram, draft_model, eagle3, "
+        "prediction, grammar).",
+    ),
+    Panel(
         "Draft tokens per step",
         (
             Query(

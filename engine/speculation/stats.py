@@ -108,6 +108,8 @@ class SpecStats:
     num_cut_by_stop: int = 0
     num_prediction_accepted: int = 0
     num_prediction_rejected: int = 0
+    # Per draft source (ngram, draft_model, eagle3, prediction, grammar): [draft tokens, accepted].
+    by_source: dict[str, list[int]] = field(default_factory=dict)
     draft_time: float = 0.0  # seconds spent proposing
     verify_time: float = 0.0  # seconds of target forwards + verification in steps with drafts
 
@@ -139,6 +141,9 @@ class SpecStats:
             )
         self.acceptance_histogram[num_accepted] += 1
         self.num_cut_by_stop += num_cut
+        counts = self.by_source.setdefault(source, [0, 0])
+        counts[0] += num_draft_tokens
+        counts[1] += num_accepted
         if source == "prediction":
             self.num_prediction_accepted += num_accepted
             self.num_prediction_rejected += num_draft_tokens - num_accepted

@@ -40,6 +40,7 @@ STATS_FIELDS = {
     "num_draft_tokens",
     "num_accepted_draft_tokens",
     "acceptance_histogram",
+    "by_method",
 }
 ASK = {"return_stats": True}
 
