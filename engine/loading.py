@@ -61,6 +61,10 @@ def load_head_runner(
     head.check_target(target.model_config)
     layers = head.aux_layers(target.model_config.num_layers)
     dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
+    if spec.draft_quantization:
+        if target.device.torch.type != "cpu":
+            raise ValueError("draft_quantization q8_0 runs on the CPU kernels, not on a GPU.")
+        dtype = torch.float32  # the kernels' activations
     cfg = head.as_model_config(target.model_config)
     with startup_phase(f"load weights {path.name} (EAGLE-3 head)"):
         model = load_head(head, cfg, len(layers), dtype, target.device.torch)
@@ -72,6 +76,8 @@ def load_head_runner(
                     f"{target.model_config.hidden_size} wide."
                 )
             model.share_embedding(target.model.embed_tokens)
+        if spec.draft_quantization:
+            model.quantize(spec.draft_quantization)
         runner = ModelRunner(config, cfg, max_positions, dtype, model=model)
     target.model.aux_layers = layers
     return runner

@@ -234,11 +234,11 @@ class Eagle3Head(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.embed_tokens is not None else self._shared_embed[0]
-        return table(input_ids).to(self.fc.weight.dtype)
+        return table(input_ids).to(self.dtype)
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's tapped states [n, n_aux * H_target] -> the head's h [n, H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.dtype))
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, hidden: torch.Tensor | None = None
@@ -252,9 +252,35 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm outputs [rows, H] -> logits over the draft vocabulary [rows, draft_vocab]."""
-        from engine.models.llama import float32_linear
+        from engine.models.llama import QuantLinear, float32_linear
 
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head.float32_product(self.norm(out))
         return float32_linear(self.norm(out), self.lm_head.weight)
+
+    def quantize(self, qformat: str) -> None:
+        """Multiply by Q8_0 blocks (our CPU kernels) instead of the dense weights: every linear
+        of the head, the LM head included; about half the bytes a chained step reads in
+        bfloat16. The activations stay in the head's dtype (float32 for the kernels)."""
+        from engine.models.gguf import quantize_q8_0
+        from engine.models.llama import QuantLinear
+
+        if qformat != "q8_0":
+            raise ValueError(f"unknown head quantization {qformat!r}; specserve offers q8_0.")
+        for name, module in list(self.named_modules()):
+            if isinstance(module, Linear):
+                quant = QuantLinear(
+                    module.in_features, module.out_features, module.bias is not None, self.dtype
+                )
+                if module.bias is not None:
+                    quant.bias = module.bias
+                quant.set_weight([quantize_q8_0(module.weight)])
+                parent, _, child = name.rpartition(".")
+                setattr(self.get_submodule(parent) if parent else self, child, quant)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
 
     def to_target(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[rows, draft_vocab] -> [rows, vocab_size]: each at its target id, -inf elsewhere."""

@@ -192,6 +192,22 @@ def serving_layout(tensor: QuantTensor) -> QuantTensor:
     return tensor
 
 
+def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
+    """A float weight [rows, columns] (columns a multiple of 32) as Q8_0 blocks, made as ggml's
+    reference quantiser makes them: per 32 weights d = max|w| / 127 stored as float16, and the
+    weights as round(w / d) in int8 (0 where d is 0)."""
+    rows, columns = weight.shape
+    if columns % 32:
+        raise ValueError(f"Q8_0 needs a multiple of 32 columns, got {columns}.")
+    w = weight.detach().to("cpu", torch.float32).reshape(rows, columns // 32, 32)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127  # [rows, blocks, 1]
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inverse).clamp(-127, 127).to(torch.int8)
+    scales = d.to(torch.float16).view(torch.uint8)  # [rows, blocks, 2], little-endian float16
+    blocks = torch.cat((scales, q.view(torch.uint8)), dim=-1).reshape(rows, columns // 32 * 34)
+    return QuantTensor(blocks.contiguous(), 8, columns)
+
+
 def read_dense(
     path: Path,
     wanted: Callable[[str], bool],

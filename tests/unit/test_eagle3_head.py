@@ -224,3 +224,39 @@ def test_head_drafts_what_the_dense_reference_drafts(tmp_path, target, variant):
     assert list(drafts[0].token_ids) == expected
     d2t = ref.t["d2t"]
     assert set(expected) <= set((torch.arange(len(d2t)) + d2t).tolist())
+
+
+def test_q8_0_blocks_are_the_gguf_packages(target):
+    """Our Q8_0 quantiser writes the bytes the gguf package's reference quantiser writes, and the
+    kernels' dequantisation of them is within half a step of the weight."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    from engine.models.gguf import quantize_q8_0
+
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(4)) * 0.05
+    weight[3, :32] = 0.0  # an all-zero block: scale 0
+    ours = quantize_q8_0(weight)
+    theirs = quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.blocks.numpy(), theirs)
+    step = weight.reshape(48, 3, 32).abs().amax(-1, keepdim=True) / 127
+    error = (ours.dequantize().reshape(48, 3, 32) - weight.reshape(48, 3, 32)).abs()
+    assert bool((error <= step / 2 + 1e-4).all())
+
+
+def test_a_q8_0_head_drafts_and_output_stays_greedy(tmp_path, target):
+    head = _head(tmp_path, target)
+    plain = _llm(target, head)
+    quant = _llm(target, head, draft_quantization="q8_0")
+    off = LLM(str(target), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 17, 42, 99, 5, 230, 64, 7], [1, 8, 8, 8, 9, 10, 8, 8, 8]]
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    for llm in (plain, quant):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == want
+        assert llm.engine.spec_stats.num_draft_tokens > 0
+    head_module = quant.engine.speculator.chain[0].head
+    assert quant.engine.draft_runner.quantization == "gguf (Q8_0)"
+    assert head_module.lm_head.qtypes == (8,)

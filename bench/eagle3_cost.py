@@ -1,0 +1,196 @@
+"""What one draft token costs: an EAGLE-3 head against the draft model, on the real target.
+
+The cost of a head's step does not depend on its weights' values, so without a trained head
+(--head) one is made here, random, in the published format with the target's shapes (its width,
+heads and intermediate size, --draft-vocab ids of the target's). For each drafter one engine on
+the config's model and settings (the served GGUF blocks with int8 activations by default) drafts
+K tokens at batch 1 in mode `always` with no early exit, over --tokens generated tokens, and the
+drafters' own device timings are summed: the chained single-token forwards (one draft token
+each, the figure compared), the first forward (the draft model's catch-up; nothing for the head,
+whose first logits come from its extend) and, for the head, the extend after each target step.
+
+    python bench/eagle3_cost.py [--config configs/default.yaml] [--tokens 128]
+        [--draft-vocab 32000] [--head-dtype bfloat16] [--head DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.models.bundled import resolve_model  # noqa: E402
+from engine.models.eagle3 import head_config_dict  # noqa: E402
+
+logger = logging.getLogger("bench.eagle3_cost")
+
+PROMPT = (
+    "Explain, step by step and with an example in Python, how a hash map handles collisions, "
+    "and when a balanced tree would be the better choice."
+)
+
+
+def random_head(target: ModelConfig, path: Path, draft_vocab: int, seed: int = 0) -> Path:
+    """A random head for `target` in the published format (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    raw = head_config_dict(target, draft_vocab)
+    h, inter = raw["hidden_size"], raw["intermediate_size"]
+    q = raw["num_attention_heads"] * raw["head_dim"]
+    kv = raw["num_key_value_heads"] * raw["head_dim"]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cpu") * 0.02).to(torch.bfloat16)
+
+    ones = torch.ones(h, dtype=torch.bfloat16, device="cpu")
+    tensors = {
+        "fc.weight": rand(h, 3 * target.hidden_size),
+        "midlayer.self_attn.q_proj.weight": rand(q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, q),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "midlayer.input_layernorm.weight": ones,
+        "midlayer.hidden_norm.weight": ones,
+        "midlayer.post_attention_layernorm.weight": ones,
+        "norm.weight": ones,
+        "lm_head.weight": rand(draft_vocab, h),
+        "d2t": torch.zeros(draft_vocab, dtype=torch.int64, device="cpu"),
+        "t2d": torch.arange(target.vocab_size, device="cpu") < draft_vocab,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def measure(engine_args: dict[str, Any], spec: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Generate `tokens` tokens at batch 1 and sum the drafter's own timings."""
+    llm = LLM(**engine_args, speculative_config=spec)
+    engine = llm.engine
+    proposer = next(p for p in engine.speculator.chain if p.name == spec["method"])
+    timings = []
+    take = proposer.take_timing
+
+    def record():  # type: ignore[no-untyped-def]
+        timing = take()
+        if timing is not None:
+            timings.append(timing)
+        return timing
+
+    proposer.take_timing = record
+    extend_seconds, num_extends = 0.0, 0
+    if hasattr(proposer, "extend"):
+        extend = proposer.extend
+
+        def timed_extend(spans):  # type: ignore[no-untyped-def]
+            nonlocal extend_seconds, num_extends
+            extend(spans)
+            if proposer.extend_marks is not None:
+                start, end, _ = proposer.extend_marks
+                engine.runner.device.synchronize()
+                extend_seconds += engine.runner.device.elapsed(start, end)
+                num_extends += 1
+
+        proposer.extend = timed_extend
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up: caches, the kernels' first calls
+    timings.clear()
+    extend_seconds, num_extends = 0.0, 0
+    llm.generate([prompt + " "], params)
+    num_more = sum(t.num_more for t in timings)
+    more = sum(t.more_seconds for t in timings)
+    first = sum(t.first_seconds for t in timings)
+    result = {
+        "method": spec["method"],
+        "num_proposes": len(timings),
+        "draft_tokens_chained": num_more,
+        "seconds_per_chained_draft_token": more / num_more if num_more else None,
+        "first_forward_seconds_per_propose": first / len(timings) if timings else None,
+        "extend_seconds_per_step": extend_seconds / num_extends if num_extends else None,
+        "acceptance_rate": engine.spec_stats.acceptance_rate,
+    }
+    proposer.take_timing = take  # the engine holds the closures until it goes
+    del llm
+    gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--head-dtype", default="bfloat16")
+    parser.add_argument("--head", help="a trained head's directory (default: a random one)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eagle3-cost.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = yaml.safe_load(Path(args.config).read_text())["engine"]
+    draft_model = config.pop("speculative_config")["model"]
+    engine_args = {**config, "max_num_seqs": 1}
+    target = ModelConfig.from_path(resolve_model(config["model"]))
+    common = {"mode": "always", "num_speculative_tokens": args.k, "draft_min_confidence": 0.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        head = args.head or str(random_head(target, Path(tmp) / "head", args.draft_vocab))
+        results = [
+            measure(
+                engine_args, {"method": "draft_model", "model": draft_model, **common}, args.tokens
+            ),
+            measure(
+                engine_args,
+                {"method": "eagle3", "model": head, "draft_dtype": args.head_dtype, **common},
+                args.tokens,
+            ),
+        ]
+    draft, eagle = results
+    ratio = eagle["seconds_per_chained_draft_token"] / draft["seconds_per_chained_draft_token"]
+    report = {
+        "host": platform.processor() or platform.machine(),
+        "cpu_isa": _isa(),
+        "config": args.config,
+        "target": config["model"],
+        "draft_model": draft_model,
+        "head": args.head or f"random, draft vocabulary {args.draft_vocab}",
+        "head_dtype": args.head_dtype,
+        "k": args.k,
+        "tokens": args.tokens,
+        "results": results,
+        "head_over_draft_model_per_draft_token": ratio,
+    }
+    for r in results:
+        logger.info("%s", r)
+    logger.info("head / draft model, seconds per chained draft token: %.3f", ratio)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+def _isa() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
