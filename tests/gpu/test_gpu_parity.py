@@ -105,15 +105,38 @@ def _spec_config(method: str, draft: Path | None) -> dict[str, Any]:
     return config
 
 
-@pytest.mark.gpu_check("speculative parity: n-gram, draft model vs off")
+@pytest.fixture(scope="module")
+def gpu_head(gpu_target, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head in the published format for the 2-layer target (it taps the
+    input of both layers), over half the target's vocabulary."""
+    import json
+
+    from tests.eagle3_heads import build_tiny_eagle3_head
+
+    vocab = json.loads((gpu_target / "config.json").read_text())["vocab_size"]
+    return build_tiny_eagle3_head(
+        tmp_path_factory.mktemp("gpu-head"),
+        gpu_target,
+        seed=22,
+        draft_vocab_size=vocab // 2,
+        aux_layer_ids=[0, 1],
+    )
+
+
+@pytest.mark.gpu_check("speculative parity: n-gram, draft model, EAGLE-3 head vs off")
 @pytest.mark.parametrize("setup", [TORCH_FP32, FLASH_BF16], ids=lambda s: s.id)
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "eagle3"])
 def test_greedy_speculation_equals_plain(
-    gpu_target, gpu_draft, device, plain, setup, method, gpu_record
+    gpu_target, gpu_draft, gpu_head, device, plain, setup, method, gpu_record
 ):
     setup.require(device)
-    draft = {"ngram": None, "draft_model": gpu_draft, "self_draft": gpu_target}[method]
-    name = "ngram" if method == "ngram" else "draft_model"
+    draft = {
+        "ngram": None,
+        "draft_model": gpu_draft,
+        "self_draft": gpu_target,
+        "eagle3": gpu_head,
+    }[method]
+    name = method if method in ("ngram", "eagle3") else "draft_model"
     llm = LLM(
         str(gpu_target), **setup.engine_kwargs(device), speculative_config=_spec_config(name, draft)
     )
