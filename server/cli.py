@@ -4,6 +4,8 @@
 gracefully). `specserve generate` runs the offline engine on one prompt (through the chat template
 when the model has one) and prints the answer with its throughput. Both read one `Settings`
 (server/settings.py): a YAML file in `configs/`, then `SPECSERVE_*` variables, then flags.
+`specserve train-eagle3` trains an EAGLE-3 head for a target served with the same engine flags
+(engine/training/eagle3.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from server.settings import ENGINE_FIELDS, FIELDS, Settings, add_settings_flags,
 
 # generate's --seed is the sampling seed (SamplingParams.seed), not the engine's.
 _ENGINE_FIELDS = tuple(name for name in ENGINE_FIELDS if name != "seed")
+# train-eagle3 runs the target alone, over free blocks: no drafter, no prefix cache.
+_TRAIN_FIELDS = tuple(
+    name for name in _ENGINE_FIELDS if name not in ("speculative_config", "enable_prefix_caching")
+)
 
 
 def load_cli_settings(
@@ -71,6 +77,21 @@ def _generate(args: argparse.Namespace, started: float) -> int:
         len(completion.token_ids) / elapsed,
         completion.finish_reason,
     )
+    return 0
+
+
+def _train_eagle3(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from engine.training.eagle3 import TrainConfig, train
+
+    engine_kwargs = load_cli_settings(args.config, args, _TRAIN_FIELDS).engine_kwargs()
+    names = [f.name for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)]
+    given = {name: getattr(args, name) for name in names}
+    try:
+        train(TrainConfig(**given), engine_kwargs)
+    except ValueError as e:
+        raise SystemExit(f"specserve: {e}") from None
     return 0
 
 
@@ -144,7 +165,8 @@ def _install_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `specserve` parser: serve, generate and install-model, with one flag per setting."""
+    """The `specserve` parser: serve, generate, install-model and train-eagle3, with one flag per
+    setting."""
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     # The settings' log_level (YAML, SPECSERVE_LOG_LEVEL) applies unless this flag is given.
     log_level = Settings.model_fields["log_level"]
@@ -183,13 +205,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the dense bfloat16 checkpoint now, which --quantization none and GPUs "
         "read (otherwise written on their first start)",
     )
-    for subparser in (serve, gen):  # also after the command; SUPPRESS keeps the one before
+    _add_train_eagle3(sub)
+    for subparser in (serve, gen, sub.choices["train-eagle3"]):  # also after the command
         subparser.add_argument(
             "--log-level",
             default=argparse.SUPPRESS,
             help=f"{log_level.description} (default: {log_level.default})",
         )
     return parser
+
+
+def _add_train_eagle3(sub: Any) -> None:
+    train = sub.add_parser(
+        "train-eagle3",
+        help="train an EAGLE-3 draft head for a target (its engine flags as for generate)",
+    )
+    add_settings_flags(train, _TRAIN_FIELDS)
+    train.add_argument("--prompts", required=True, help="JSONL prompts file (see docs)")
+    train.add_argument("--out", required=True, help="output directory (data, checkpoint, head/)")
+    train.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    train.add_argument(
+        "--aux-layers",
+        dest="aux_layer_ids",
+        type=lambda text: tuple(int(i) for i in text.split(",")),
+        help="target layers the head taps (their inputs), e.g. 2,14,25 (default: 2,L/2,L-3)",
+    )
+    for flag, kind, default, text in (
+        ("--draft-vocab-size", int, 32000, "the head's vocabulary: most frequent target tokens"),
+        ("--intermediate-size", int, None, "the head's MLP width (default: the target's)"),
+        ("--ttt-length", int, 7, "head steps unrolled in training-time test"),
+        ("--steps", int, None, "optimiser steps, one sequence each (default: --epochs)"),
+        ("--epochs", int, 1, "passes over the sequences when --steps is not given"),
+        ("--lr", float, 1e-4, "peak learning rate (AdamW)"),
+        ("--warmup-steps", int, 100, "linear warmup steps"),
+        ("--max-tokens", int, 256, "response tokens the target generates per prompt"),
+        ("--max-seq-len", int, 1024, "most tokens of prompt + response"),
+        ("--temperature", float, 0.0, "temperature of the generated responses"),
+        ("--save-every", int, 500, "steps between checkpoints"),
+        ("--seed", int, 0, "seed of the head's init, the data order and generation"),
+    ):
+        train.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(settings.log_level.upper())
     if args.command == "install-model":
         return _install_models(args)
+    if args.command == "train-eagle3":
+        return _train_eagle3(args)
     if settings is not None:
         return _serve(settings, started)
     return _generate(args, started)
