@@ -68,6 +68,11 @@ class DraftCosts:
         # Starting points timed at start-up, then learned from the draft model's timings.
         self.draft_forward_seconds = draft_forward_seconds
         self.catch_up_seconds_per_token = catch_up_seconds_per_token
+        # A drafting step's FIRST forward, learned apart from the chained ones (None until a
+        # timing teaches it: then the chained forward's price). It is not one of them: the draft
+        # model's reads the tokens accepted since its last drafts (2 to k + 1 a request, dear
+        # where every extra row costs), an EAGLE-3 head's is no forward at all.
+        self.first_forward_seconds: float | None = None
         self._overhead = {True: 0.0, False: 0.0}  # seconds outside forward and drafting
         self._error = {True: 1.0, False: 1.0}  # realised over predicted seconds
         self._model_seconds = 0.0  # the draft model's predicted seconds in the step decided
@@ -114,8 +119,16 @@ class DraftCosts:
                 catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
         # The draft model stops a request at its first unconfident token (where the verify
         # tends to reject), so forward j runs about as often as some request is still accepted
-        # so far: E(alpha, depth - 1) forwards, not depth.
-        return self.draft_forward_seconds * expected_tokens(best_alpha, depth - 1) + catch_up
+        # so far: the first forward, then E(alpha, depth - 1) - 1 chained ones, not depth - 1.
+        chained = self.draft_forward_seconds * (expected_tokens(best_alpha, depth - 1) - 1.0)
+        return self.first_seconds + chained + catch_up
+
+    @property
+    def first_seconds(self) -> float:
+        """The first forward's price (see first_forward_seconds)."""
+        if self.first_forward_seconds is None:
+            return self.draft_forward_seconds
+        return self.first_forward_seconds
 
     def step_cost(
         self, model_seconds: float, shape: StepShape, step_model: StepTimePredictor
@@ -135,7 +148,8 @@ class DraftCosts:
 
     def alone(self, alpha: float, k: int, uses_model: bool) -> float:
         """Drafting seconds of k drafts for one request alone (the model uncorrected)."""
-        model = self.draft_forward_seconds * expected_tokens(alpha, k - 1) if uses_model else 0.0
+        chained = self.draft_forward_seconds * (expected_tokens(alpha, k - 1) - 1.0)
+        model = self.first_seconds + chained if uses_model else 0.0
         return self.overhead + model
 
     def decided(self, model_seconds: float) -> None:
@@ -167,6 +181,11 @@ class DraftCosts:
         if timing is not None and timing.num_more:
             per_forward = timing.more_seconds / timing.num_more
             self.draft_forward_seconds = _ewma(self.draft_forward_seconds, per_forward)
+        if timing is not None and timing.num_drafting and timing.num_catch_up < MIN_CATCH_UP_SAMPLE:
+            # A drafting step's first forward as steps take it, its usual few tokens included.
+            first = timing.first_seconds
+            last = self.first_forward_seconds
+            self.first_forward_seconds = first if last is None else _ewma(last, first)
         if timing is not None and timing.num_catch_up >= MIN_CATCH_UP_SAMPLE:
             # A forward that only catches up (no request drafting yet) has no draft row in it.
             drafting = self.draft_forward_seconds if timing.num_drafting else 0.0

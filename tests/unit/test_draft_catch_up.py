@@ -147,3 +147,28 @@ def test_a_catch_up_only_forward_teaches_the_per_token_cost() -> None:
     for _ in range(40):
         policy.observe(StepStats((d,), (), 1, 1, 0, STEP, timing.first_seconds, 0.0, timing))
     assert policy.costs.catch_up_seconds_per_token == pytest.approx(PER_TOKEN, rel=0.01)
+
+
+def test_the_first_forward_is_priced_as_steps_take_it() -> None:
+    """A drafting step's first forward (the draft model's reads 2 to k + 1 tokens a request) is
+    learned apart from the chained ones and priced as the first of a propose's forwards: a
+    first forward three times a chained one makes drafting dearer, and a k = 1 draft costs
+    exactly the first forward."""
+    from engine.speculation.model_drafter import DraftTiming
+
+    policy = _policy(per_token=0.0)
+    costs = policy.costs
+    chained = costs.draft_forward_seconds
+    assert costs.first_forward_seconds is None and costs.alone(0.9, 1, True) == chained
+    request = _request()
+    candidates = [Candidate(request, 4, "draft_model")]
+    before = costs.model_seconds(candidates, [0.8], [4], 4)
+    timing = DraftTiming(2, 3 * chained, 3, 3 * chained, num_drafting=1)
+    (d,) = _one(policy, candidates)
+    for _ in range(60):
+        policy.observe(StepStats((d,), (), 5, 5, 0, STEP, 6 * chained, 0.0, timing))
+    assert costs.first_forward_seconds == pytest.approx(3 * chained, rel=1e-3)
+    assert costs.draft_forward_seconds == pytest.approx(chained, rel=1e-3)
+    assert costs.alone(0.9, 1, True) == pytest.approx(3 * chained, rel=1e-3)
+    after = costs.model_seconds(candidates, [0.8], [4], 4)
+    assert after == pytest.approx(before + 2 * chained, rel=1e-3)
