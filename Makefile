@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: install run generate test gpu-test gpu-smoke gpu-wheels lint lint-deploy bench bench-policy \
-	bench-peers bench-reliability bench-grammar bench-structured clean
+	bench-peers bench-reliability bench-grammar bench-structured eagle3-head clean
 
 # The venv: torch's CPU build, the project with its test and dev extras, SmolLM2 with the dense
 # checkpoint the tests read, and our CPU kernels compiled once (a minute or more on 2 cores)
@@ -39,6 +39,25 @@ generate: $(VENV)/.models
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# An EAGLE-3 head for HEAD_TARGET (the bundled 0.5B: no smaller draft model exists for it),
+# trained on this machine's CPU into the cache, never into git: HEAD_PROMPTS prompts the project
+# ships (code tasks over the standard library's functions, open-chat questions;
+# engine/training/prompts.py), answered by the target itself, then HEAD_STEPS training steps.
+# Stopped, the same command resumes where it stopped; a larger HEAD_STEPS trains on.
+HEAD_TARGET ?= qwen2.5-coder-0.5b-instruct
+HEAD_DIR ?= $(HOME)/.cache/specserve/heads/$(HEAD_TARGET)
+HEAD_PROMPTS ?= 400
+HEAD_STEPS ?= 4000
+HEAD_MAX_TOKENS ?= 192
+eagle3-head: $(VENV)/.models
+	mkdir -p $(HEAD_DIR)
+	test -f $(HEAD_DIR)/prompts.jsonl \
+		|| $(PY) -m engine.training.prompts --num $(HEAD_PROMPTS) --out $(HEAD_DIR)/prompts.jsonl
+	$(VENV)/bin/specserve train-eagle3 --config $(CONFIG) --model $(HEAD_TARGET) \
+		--prompts $(HEAD_DIR)/prompts.jsonl --out $(HEAD_DIR) --steps $(HEAD_STEPS) \
+		--draft-vocab-size 16000 --max-tokens $(HEAD_MAX_TOKENS) --max-seq-len 768 \
+		--lr 3e-4 --save-every 100 $$(test -f $(HEAD_DIR)/checkpoint.pt && echo --resume)
 
 # Validates a GPU node in one command: engine and HTTP server end to end on CUDA (greedy parity
 # with transformers and between attention backends, speculative parity, seeded sampling, aborts),

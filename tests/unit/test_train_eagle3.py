@@ -296,3 +296,19 @@ def test_draft_vocabulary_counts_responses_then_fills():
     assert draft_vocabulary(seqs, 2, 20) == [4, 7]
     assert draft_vocabulary(seqs, 3, 20) == [4, 7, 8]
     assert draft_vocabulary(seqs, 6, 20) == [0, 1, 4, 7, 8, 9]
+
+
+def test_the_shipped_prompts_are_seeded_chat_examples(tmp_path):
+    """`make eagle3-head`'s prompts: code tasks over standard-library functions and open-chat
+    questions, three to one, the same for the same seed, read by the trainer's prompts parser."""
+    from engine.training.prompts import build_prompts, main
+
+    first, again = build_prompts(40, seed=3), build_prompts(40, seed=3)
+    assert first == again and first != build_prompts(40, seed=4)
+    contents = [p["messages"][0]["content"] for p in first]
+    assert len(set(contents)) == 40
+    assert sum("```python" in c for c in contents) == 30
+    out = tmp_path / "prompts.jsonl"
+    assert main(["--num", "12", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 12 and all(line["messages"][0]["role"] == "user" for line in lines)
