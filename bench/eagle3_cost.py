@@ -10,7 +10,8 @@ each, the figure compared), the first forward (the draft model's catch-up; nothi
 whose first logits come from its extend) and, for the head, the extend after each target step.
 
     python bench/eagle3_cost.py [--config configs/default.yaml] [--tokens 128]
-        [--draft-vocab 32000] [--head-dtype bfloat16] [--head DIR] [--out FILE]
+        [--draft-vocab 32000] [--head-dtype bfloat16 | --head-quantization q8_0] [--head DIR]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def random_head(target: ModelConfig, path: Path, draft_vocab: int, seed: int = 0
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device="cpu") * 0.02).to(torch.bfloat16)
 
-    ones = torch.ones(h, dtype=torch.bfloat16, device="cpu")
+    def ones() -> torch.Tensor:
+        return torch.ones(h, dtype=torch.bfloat16, device="cpu")
+
     tensors = {
         "fc.weight": rand(h, 3 * target.hidden_size),
         "midlayer.self_attn.q_proj.weight": rand(q, 2 * h),
@@ -67,10 +70,10 @@ def random_head(target: ModelConfig, path: Path, draft_vocab: int, seed: int = 0
         "midlayer.mlp.gate_proj.weight": rand(inter, h),
         "midlayer.mlp.up_proj.weight": rand(inter, h),
         "midlayer.mlp.down_proj.weight": rand(h, inter),
-        "midlayer.input_layernorm.weight": ones,
-        "midlayer.hidden_norm.weight": ones,
-        "midlayer.post_attention_layernorm.weight": ones,
-        "norm.weight": ones,
+        "midlayer.input_layernorm.weight": ones(),
+        "midlayer.hidden_norm.weight": ones(),
+        "midlayer.post_attention_layernorm.weight": ones(),
+        "norm.weight": ones(),
         "lm_head.weight": rand(draft_vocab, h),
         "d2t": torch.zeros(draft_vocab, dtype=torch.int64, device="cpu"),
         "t2d": torch.arange(target.vocab_size, device="cpu") < draft_vocab,
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--head-dtype", default="bfloat16")
+    parser.add_argument("--head-quantization", choices=["q8_0"], help="Q8_0 blocks (CPU)")
     parser.add_argument("--head", help="a trained head's directory (default: a random one)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eagle3-cost.json"))
     args = parser.parse_args(argv)
@@ -152,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = {**config, "max_num_seqs": 1}
     target = ModelConfig.from_path(resolve_model(config["model"]))
     common = {"mode": "always", "num_speculative_tokens": args.k, "draft_min_confidence": 0.0}
+    head_options: dict[str, Any] = {"draft_dtype": args.head_dtype}
+    if args.head_quantization:
+        head_options = {"draft_quantization": args.head_quantization}
     with tempfile.TemporaryDirectory() as tmp:
         head = args.head or str(random_head(target, Path(tmp) / "head", args.draft_vocab))
         results = [
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             measure(
                 engine_args,
-                {"method": "eagle3", "model": head, "draft_dtype": args.head_dtype, **common},
+                {"method": "eagle3", "model": head, **head_options, **common},
                 args.tokens,
             ),
         ]
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": config["model"],
         "draft_model": draft_model,
         "head": args.head or f"random, draft vocabulary {args.draft_vocab}",
-        "head_dtype": args.head_dtype,
+        "head_weights": args.head_quantization or args.head_dtype,
         "k": args.k,
         "tokens": args.tokens,
         "results": results,
