@@ -1,9 +1,9 @@
 """`response_format` end to end through the official `openai` client: a tiny random-weight chat
 model (SmolLM2's vocabulary), where only the grammar can make the output valid JSON.
 
-One server per speculation setup (off, the grammar's own drafts, n-gram, a draft model); on each,
-json_schema requests at temperature 1 with n > 1, streamed and not, give schema-valid JSON in
-every choice; greedy output is the same text on every server; json_object gives an object; the
+One server per speculation setup (off, the grammar's own drafts, n-gram, a draft model, an EAGLE-3
+head); on each, json_schema requests at temperature 1 with n > 1, streamed and not, give
+schema-valid JSON in every choice; greedy output is the same text on every server; json_object gives an object; the
 completions endpoint takes response_format too; a schema the grammar library cannot use, or a
 malformed response_format, is a 400 naming it, and nothing is left running.
 """
@@ -30,6 +30,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.server_helpers import MODEL as DEFAULT_MODEL
 from tests.e2e.server_helpers import openai_client
+from tests.eagle3_heads import build_tiny_eagle3_head
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -57,6 +58,14 @@ SETUPS: dict[str, dict[str, Any] | None] = {
         "prompt_lookup_min": 1,
     },
     "draft_model": {"method": "draft_model", "mode": "always", "num_speculative_tokens": 3},
+    # A head over a quarter of the vocabulary: where the grammar allows only tokens outside it,
+    # the head has nothing to draft and drafts nothing.
+    "eagle3": {
+        "method": "eagle3",
+        "mode": "always",
+        "num_speculative_tokens": 3,
+        "draft_min_confidence": 0.0,
+    },
 }
 
 
@@ -73,6 +82,15 @@ def live(request, models) -> Iterator[tuple[str, LiveServer]]:
     spec = SETUPS[request.param]
     if spec is not None and spec["method"] == "draft_model":
         spec = {**spec, "model": str(draft)}
+    if spec is not None and spec["method"] == "eagle3":
+        head = build_tiny_eagle3_head(
+            target.parent / "structured-head",
+            target,
+            seed=33,
+            draft_vocab_size=12288,
+            aux_layer_ids=[0],
+        )
+        spec = {**spec, "model": str(head)}
     settings = tiny_settings(target, MODEL, speculative_config=spec)
     with live_server(create_app(settings)) as server:
         yield request.param, server

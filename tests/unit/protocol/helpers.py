@@ -131,6 +131,7 @@ SPEC_0 = {
     "num_draft_tokens": 15,
     "num_accepted_draft_tokens": 6,
     "acceptance_histogram": [1, 2, 0, 0, 1],
+    "by_method": {"ngram": {"num_draft_tokens": 15, "num_accepted_draft_tokens": 6}},
 }
 
 
@@ -141,4 +142,5 @@ SPEC_NONE = {
     "num_draft_tokens": 0,
     "num_accepted_draft_tokens": 0,
     "acceptance_histogram": [],
+    "by_method": {},
 }
