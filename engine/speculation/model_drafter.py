@@ -149,10 +149,12 @@ class ModelDrafter:
         # Padding rows of a draft vocabulary wider than the target's are ids the target cannot
         # emit: never draft them (q is then exactly what the draft samples from).
         processed[:, self.vocab_size :] = float("-inf")
-        # A row with nothing left (a head's narrower vocabulary that the grammar mask empties)
-        # cannot be sampled from: it drafts nothing, and stops.
-        possible = processed.amax(dim=-1) > float("-inf")  # [num_active]
-        processed = torch.where(possible[:, None], processed, torch.zeros_like(processed))
+        # Only a grammar mask can leave a row with nothing (over a head's narrower vocabulary):
+        # such a row drafts nothing, and stops. Without masks no row is checked.
+        possible = None
+        if masks is not None:
+            possible = processed.amax(dim=-1) > float("-inf")  # [num_active]
+            processed.masked_fill_(~possible[:, None], 0.0)
         token_ids = self.sampler.sample_processed(processed, rows).token_ids  # [num_active]
         probs = processed.softmax(dim=-1)  # [num_active, width]
         if probs.shape[1] != self.vocab_size:  # q over the target's ids: 0 past the draft's
@@ -165,8 +167,11 @@ class ModelDrafter:
         # One device-to-host read for the whole draft step, ids and flags together: reading a
         # CUDA tensor on the host waits for the device, so a read per request would be a sync
         # per request per draft step.
-        host = torch.stack([token_ids, confident.to(token_ids.dtype), possible.to(token_ids.dtype)])
-        host_ids, host_confident, host_possible = host.tolist()
+        flags = [token_ids, confident.to(token_ids.dtype)]
+        if possible is not None:
+            flags.append(possible.to(token_ids.dtype))
+        host_ids, host_confident, *rest = torch.stack(flags).tolist()
+        host_possible = rest[0] if rest else [1] * len(active)
         for i, (request, _) in enumerate(active):
             if not host_possible[i]:
                 continue
