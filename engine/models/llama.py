@@ -416,12 +416,12 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x = layer(x, ctx)
             return self.norm(x)
-        taps = []
+        taps = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                taps.append((self.aux_layers.index(i), x))
+                taps[i] = x
             x = layer(x, ctx)
-        self.aux_hidden = torch.cat([t for _, t in sorted(taps, key=lambda p: p[0])], dim=-1)
+        self.aux_hidden = torch.cat([taps[i] for i in self.aux_layers], dim=-1)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,6 @@ from engine.request import Request
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Sampler
 from engine.speculation.model_drafter import Drafted, ModelDrafter
-from engine.speculation.proposer import Draft
 
 
 @dataclass
@@ -76,6 +75,12 @@ class Eagle3Proposer(ModelDrafter):
         # Device marks and token count of the last extend (start, end, num_tokens).
         self.extend_marks: tuple[object, object, int] | None = None
 
+    def after_step(
+        self, requests: Sequence[Request], chunks: Sequence[SeqChunk], results: Sequence[object]
+    ) -> None:
+        """The step has run and verified: extend over what it computed and kept."""
+        self.extend(extend_spans(list(zip(requests, chunks, strict=True)), results))
+
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         """Nothing: the head was brought current by the last step's extend."""
 
@@ -101,10 +106,9 @@ class Eagle3Proposer(ModelDrafter):
         run, and keep each request's last output for its next first draft."""
         taps = self.target.model.aux_hidden  # [step tokens, n_aux * H_target]
         self.target.model.aux_hidden = None  # used once; never kept across steps
+        spans = [span for span in spans if span.token_ids]
         chunks, rows, lasts = [], [], []
         for span in spans:
-            if not span.token_ids:
-                continue
             state = self._state(span.request)
             if state.num_computed != span.start:
                 # A new request whose prompt starts in the prefix cache (its blocks' head KV was
@@ -126,14 +130,10 @@ class Eagle3Proposer(ModelDrafter):
         out = self.head(ids, ctx, hidden)  # [num_tokens, H]
         ends = list(itertools.accumulate(lasts))
         last = out[self.runner.device.tensor([e - 1 for e in ends], torch.int64)]  # [spans, H]
-        i = 0
-        for span in spans:
-            if not span.token_ids:
-                continue
+        for i, span in enumerate(spans):
             state = self._states[span.request.request_id]
             state.num_computed = span.start + len(span.token_ids)
             state.last_out = last[i]
-            i += 1
         self.extend_marks = (start, device.mark(), ends[-1])
 
     # ------------------------------------------------------------------ drafting
@@ -143,6 +143,7 @@ class Eagle3Proposer(ModelDrafter):
     ) -> tuple[list[tuple[Request, int]], torch.Tensor | None, int]:
         """No forward: the first draft's logits come from each request's last extend output."""
         drafting, outs = [], []
+        self._chain = {}  # the last propose's outputs are not needed any more
         for request, k in zip(requests, max_lengths, strict=True):
             state = self._states.get(request.request_id)
             if (
@@ -181,14 +182,6 @@ class Eagle3Proposer(ModelDrafter):
         """Pre-norm outputs [rows, H] -> logits over the target's vocabulary (-inf off the
         draft vocabulary) [rows, vocab_size]."""
         return self.head.to_target(self.head.compute_logits(out), self.vocab_size)
-
-    def propose(
-        self, requests: Sequence[Request], max_lengths: Sequence[int]
-    ) -> list[Draft | None]:
-        try:
-            return super().propose(requests, max_lengths)
-        finally:
-            self._chain.clear()
 
 
 def extend_spans(

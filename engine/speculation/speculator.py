@@ -148,12 +148,9 @@ class Speculator:
         """Once the target has run and verified: a drafter that reads the target's hidden states
         (eagle3) extends its KV over what the step computed and kept."""
         for proposer in self.chain:
-            extend = getattr(proposer, "extend", None)
-            if extend is not None:
-                from engine.speculation.eagle3 import extend_spans
-
-                pairs = [(s.request, c) for s, c in zip(schedule.scheduled, chunks, strict=True)]
-                extend(extend_spans(pairs, results))
+            after_step = getattr(proposer, "after_step", None)
+            if after_step is not None:
+                after_step([s.request for s in schedule.scheduled], chunks, results)
 
     def take_draft_timing(self) -> DraftTiming | None:
         """The draft model's device time in this step, read once the step has synchronised."""
