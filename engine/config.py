@@ -162,6 +162,15 @@ class EngineConfig:
     enforce_eager: Annotated[
         bool, Field(description="CUDA: run every step eagerly (no CUDA graphs)")
     ] = False
+    batch_invariant: Annotated[
+        bool,
+        Field(
+            description="a request's logits never depend on what else shares its step (greedy "
+            "answers equal to the request asked alone). CPU: what our kernels do anyway, "
+            "checked at start; CUDA: Triton products, norms and attention with fixed "
+            "reduction orders, slower than cuBLAS and flash-attn"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -185,8 +194,11 @@ class EngineConfig:
                 f"quantization gguf runs on the CPU only (device is {device}); use "
                 "quantization none or auto on a GPU."
             )
+        attention = self.attention_backend
+        if self.batch_invariant:
+            attention = _invariant_attention(attention, device_type)
         backend = resolve_attention_backend(
-            self.attention_backend, device_type, self._explicit_dtypes(), self.block_size
+            attention, device_type, self._explicit_dtypes(), self.block_size
         )
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "attention_backend", backend.name)
@@ -229,6 +241,26 @@ class EngineConfig:
             assert backend.dtypes, "a backend that refuses a dtype lists the ones it accepts"
             dtype = _DTYPES[backend.dtypes[0]]
         return dtype
+
+
+# The attention backend that batch_invariant takes on each device: the one whose sums over keys
+# run in the same order for a query whatever its step holds.
+_INVARIANT_ATTENTION = {"cpu": "cpu", "cuda": "triton"}
+
+
+def _invariant_attention(asked: str, device_type: str) -> str:
+    """The attention backend of the batch-invariant mode on `device_type`, or a ValueError
+    saying why the one asked for cannot be it. The backend's own availability (our CPU kernels
+    built, Triton installed) is then checked by the registry like any backend's."""
+    backend = _INVARIANT_ATTENTION.get(device_type)
+    if backend is None:
+        raise ValueError(f"batch_invariant runs on cpu or cuda, not {device_type}.")
+    if asked not in ("auto", backend):
+        raise ValueError(
+            f"batch_invariant on {device_type} needs attention_backend {backend} (or auto); "
+            f"{asked} sums a query's keys in an order set by the whole step's shape."
+        )
+    return backend
 
 
 _COMPARISONS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}

@@ -20,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.device import Device
 from engine.models.gguf import load_quantized
-from engine.models.llama import ForwardContext, RotaryEmbedding
+from engine.models.llama import ForwardContext, RotaryEmbedding, enable_batch_invariant
 from engine.models.loader import load_model, quantization_of
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ class ModelRunner:
             self.model = load_model(
                 model_config, self.dtype, self.device.torch, quantized, self.int8_activations
             )
+        if config.batch_invariant and self.device.is_cuda:
+            # The CPU kernels are batch-invariant as they are; on CUDA, Triton's (config.py
+            # has made the attention backend Triton's too).
+            enable_batch_invariant(self.model)
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)
         self.backend = get_attention_backend(config.attention_backend, self.device.torch)

@@ -205,6 +205,8 @@ class Eagle3Head(nn.Module):
     """The head as the engine runs it: `forward` (paged attention over the head's KV) returns the
     pre-norm output, `compute_logits` the draft vocabulary's logits, `to_target` scatters them."""
 
+    batch_invariant = False  # the LM head's product in the GPU's batch-invariant mode
+
     def __init__(
         self, head: Eagle3Config, cfg: ModelConfig, num_aux: int, dtype: torch.dtype
     ) -> None:
@@ -256,7 +258,7 @@ class Eagle3Head(nn.Module):
 
         if isinstance(self.lm_head, QuantLinear):
             return self.lm_head.float32_product(self.norm(out))
-        return float32_linear(self.norm(out), self.lm_head.weight)
+        return float32_linear(self.norm(out), self.lm_head.weight, self.batch_invariant)
 
     def quantize(self, qformat: str) -> None:
         """Multiply by Q8_0 blocks (our CPU kernels) instead of the dense weights: every linear

@@ -51,7 +51,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"))
         self.eps = eps
 
+    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_kernels().rms_norm(x, self.weight, self.eps)
         kernels = layer_kernels(x)
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
@@ -197,9 +201,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.addmm(bias.unsqueeze(1), weight, x.t()).t().contiguous()
 
 
-def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def float32_linear(
+    x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False
+) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T in float32: our kernels' float32 sums as they are (any
-    number of rows, on a CPU where they built), elsewhere `linear`'s result converted."""
+    number of rows, on a CPU where they built; the batch-invariant GPU kernel where asked),
+    elsewhere `linear`'s result converted."""
+    if batch_invariant:
+        return invariant_kernels().matmul(x, weight, out_dtype=torch.float32)
     if x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
         kernels = cpu_kernels()
         if kernels is not None:
@@ -209,10 +218,40 @@ def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear with the single-row GEMV fast path of `linear`."""
+    """nn.Linear with the single-row GEMV fast path of `linear`, or the batch-invariant GPU
+    kernel in that mode."""
+
+    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_kernels().matmul(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def invariant_kernels() -> Any:
+    """engine.kernels.triton_invariant, imported on first use: only the batch-invariant mode
+    needs Triton."""
+    from engine.kernels import triton_invariant
+
+    return triton_invariant
+
+
+def enable_batch_invariant(model: nn.Module) -> None:
+    """Switch every product and norm of `model` to the batch-invariant Triton kernels (the
+    GPU's `batch_invariant` mode; the CPU kernels are batch-invariant already). Everything else
+    in a forward works per element or per row (embedding, RoPE, SwiGLU, residuals) or is the
+    attention backend, which the engine's configuration has made the Triton one. A module this
+    function does not know how to switch is an error, so none is left behind by a new layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            raise ValueError(f"{name}: GGUF blocks have no batch-invariant GPU kernel.")
+        if isinstance(module, nn.Linear) and not isinstance(module, Linear):
+            raise ValueError(f"{name}: {type(module).__name__} has no batch-invariant route.")
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            raise ValueError(f"{name}: {type(module).__name__} has no batch-invariant route.")
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = True
 
 
 class QuantLinear(nn.Module):
@@ -362,8 +401,12 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
+    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.batch_invariant:
+            return self.down_proj(invariant_kernels().silu_mul(gate_up))
         kernels = layer_kernels(gate_up)
         if kernels is not None:
             return self.down_proj(kernels.silu_mul(gate_up))
@@ -388,6 +431,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model: embeddings, decoder layers, final norm, LM head (tied or not)."""
+
+    batch_invariant = False  # the LM head's product in the GPU's batch-invariant mode
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -433,4 +478,4 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.logits(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return float32_linear(hidden, head.weight)
+        return float32_linear(hidden, head.weight, self.batch_invariant)

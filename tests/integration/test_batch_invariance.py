@@ -60,10 +60,10 @@ def llm(request):
 class _Seq:
     """A sequence of tokens with blocks of its own (scattered: every third block)."""
 
-    def __init__(self, seed: int, first_block: int) -> None:
+    def __init__(self, seed: int, first_block: int, block_size: int = BLOCK) -> None:
         rng = random.Random(seed)
         self.token_ids = [rng.randrange(3, TINY_VOCAB) for _ in range(SEQ_LEN)]
-        self.table = [first_block + 3 * i for i in range(-(-SEQ_LEN // BLOCK))]
+        self.table = [first_block + 3 * i for i in range(-(-SEQ_LEN // block_size))]
 
     def chunk(self, start: int, end: int) -> SeqChunk:
         return SeqChunk(self.token_ids[start:end], start, self.table, num_logits=end - start)
@@ -100,10 +100,11 @@ def test_every_positions_logits_are_the_same_in_every_step_shape(llm):
 
 def check_step_shapes(llm: LLM) -> None:
     """One sequence's logits, every position, through many step shapes: bit-equal to the
-    sequence computed in one chunk. The LLM must be idle, with block_size BLOCK and at least 30
-    KV blocks."""
+    sequence computed in one chunk. The LLM must be idle, with at least 3 * ceil(40 / block
+    size) KV blocks."""
     assert llm.engine.block_manager.num_used_blocks == 0  # the runner's blocks are ours here
-    a, b, c = _Seq(0, 0), _Seq(1, 1), _Seq(2, 2)
+    block_size = llm.engine.config.block_size
+    a, b, c = (_Seq(i, i, block_size) for i in range(3))
     reference = _logits(llm, _alone(a, [SEQ_LEN]), a)  # the whole sequence in one chunk
     shapes = {
         "token by token": _alone(a, [1] * SEQ_LEN),

@@ -15,7 +15,7 @@ import torch
 
 from engine.cuda_graphs import NOT_CAPTURED
 from tests.gpu.smoke.__main__ import main as smoke
-from tests.gpu.smoke.bench import CONCURRENCIES, MODES, ReplayCounter
+from tests.gpu.smoke.bench import CONCURRENCIES, INVARIANT_CONCURRENCIES, MODES, ReplayCounter
 from tests.gpu.smoke.models import TINY, build_pair
 from tests.gpu.smoke.report import COLUMNS, bench_failures, markdown_table
 
@@ -130,7 +130,17 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
     assert bench["failures"] == [] and "error" not in bench
     assert bench["model"]["name"] == "tiny" and bench["model"]["draft_layers"] == 1
     engines = bench["engines"]
-    assert [e["engine"]["graphs"] for e in engines] == [True, False]
+    assert [(e["engine"]["graphs"], e["engine"]["batch_invariant"]) for e in engines] == [
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+    invariant = engines.pop()
+    assert invariant["engine"]["attention_backend"] == "cpu"  # the CPU's batch-invariant one
+    assert [(p["mode"], p["concurrency"]) for p in invariant["points"]] == [
+        ("off", c) for c in INVARIANT_CONCURRENCIES
+    ]
+    assert all(p["num_tokens"] > 0 and p["acceptance"] is None for p in invariant["points"])
     for engine in engines:
         facts = engine["engine"]
         assert facts["num_kv_blocks"] > 0 and facts["num_graph_buckets"] == 0  # no graphs on CPU
@@ -149,7 +159,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
 
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert table[0] == "| " + " | ".join(COLUMNS) + " |"
-    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES)
+    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES) + len(INVARIANT_CONCURRENCIES)
     assert printed.rstrip().endswith("===== gpu-smoke: PASS")
 
 
@@ -220,7 +230,7 @@ def test_replay_counter_counts_the_steps_a_graph_replayed():
 
 def _bench(num_buckets: int, graph_share: float, peak: int, budget: int | None) -> dict:
     point = dict(
-        graphs=True, mode="auto", concurrency=8, seconds=1.0, num_requests=3, num_tokens=100,
+        graphs=True, batch_invariant=False, mode="auto", concurrency=8, seconds=1.0, num_requests=3, num_tokens=100,
         tokens_per_s=100.0, ttft_p50_ms=5.0, ttft_p95_ms=9.0, num_steps=20,
         graph_share=graph_share, draft_graph_share=None, acceptance=0.5, peak_memory_bytes=peak,
     )  # fmt: skip
@@ -238,6 +248,6 @@ def test_bench_failures_name_what_fails_a_node():
     assert "graphs captured, none replayed" in unreplayed
     (over,) = bench_failures(_bench(10, 0.8, 3 * 2**30, 2**31))
     assert "past the budget (3.0 / 2.0 GiB)" in over
-    assert "| on | auto | 8 | 100 | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |" in (
+    assert "| on | off | auto | 8 | 100 | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |" in (
         markdown_table(_bench(10, 0.8, 2**30, 2**31))
     )

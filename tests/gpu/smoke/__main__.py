@@ -15,7 +15,8 @@ Stages, in order; the first failure of the environment stops it, later stages al
    checks must run whatever is asked.
 4. Bench: the GPU preset over a random-weight Qwen2.5-1.5B-shaped model made here from a seed,
    with a draft that is its first layer (tests/gpu/smoke/models.py), at c = 1, 8, 64, speculation
-   off and auto, CUDA graphs on and off (tests/gpu/smoke/bench.py).
+   off and auto, CUDA graphs on and off; then the batch-invariant mode's price at c = 1, 8
+   (tests/gpu/smoke/bench.py).
 It writes one JSON (--out; default $OUT/gpu-smoke.json where $OUT is set, else
 bench/results/gpu-smoke.json) and prints one markdown table. Exit status 0 only when every stage
 passed.
@@ -145,7 +146,12 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
     fails the bench) rather than raised, so the JSON still comes back."""
     import torch
 
-    from tests.gpu.smoke.bench import Workload, engine_config, run_engine
+    from tests.gpu.smoke.bench import (
+        INVARIANT_CONCURRENCIES,
+        Workload,
+        engine_config,
+        run_engine,
+    )
     from tests.gpu.smoke.models import QWEN25_1_5B, TINY, build_pair
 
     dry = device == "cpu"
@@ -168,6 +174,10 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
             for graphs in (True, False):
                 config = engine_config(pair, torch.device(device), graphs, **overrides)
                 bench["engines"].append(run_engine(config, workload))
+            config = engine_config(
+                pair, torch.device(device), False, batch_invariant=True, **overrides
+            )
+            bench["engines"].append(run_engine(config, workload, INVARIANT_CONCURRENCIES))
         except Exception:
             bench["error"] = traceback.format_exc(limit=20)
             logger.exception("the bench failed")

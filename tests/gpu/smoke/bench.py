@@ -1,5 +1,7 @@
 """The smoke bench: the GPU preset's engine over a random-weight model of a real shape, at a few
-concurrencies, speculation off and auto, CUDA graphs on and off.
+concurrencies, speculation off and auto, CUDA graphs on and off; then the price of the
+batch-invariant mode (`batch_invariant: true`, no speculation, eager as the Triton attention
+backend runs) at the first two concurrencies, to read against the graphs-off engine's "off" rows.
 
 One engine per graphs setting (`enforce_eager`), built as the preset builds it: KV sized by
 `gpu_memory_utilization`, mode auto calibrated at start. Each point keeps `concurrency` greedy
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 PRESET = Path(__file__).resolve().parents[3] / "configs" / "gpu-qwen2.5-coder-1.5b.yaml"
 CONCURRENCIES = (1, 8, 64)
 MODES = ("off", "auto")
+INVARIANT_CONCURRENCIES = CONCURRENCIES[:2]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class PointResult:
     """One (graphs, mode, concurrency) point: JSON as it is."""
 
     graphs: bool
+    batch_invariant: bool
     mode: str
     concurrency: int
     seconds: float
@@ -113,11 +117,16 @@ def engine_config(
     if settings["attention_backend"] == "flash_attn" and not flash_attn_available():
         settings.update(attention_backend="auto", block_size=None)
     settings.update(overrides)
+    if settings.get("batch_invariant"):  # the mode takes its own attention backend
+        settings.update(attention_backend="auto", block_size=None, speculative_config=None)
     return EngineConfig(**settings)
 
 
-def run_engine(config: EngineConfig, workload: Workload, concurrencies=CONCURRENCIES) -> dict:
-    """Every (mode, concurrency) point on one engine -> {"engine": facts, "points": [...]}."""
+def run_engine(
+    config: EngineConfig, workload: Workload, concurrencies=CONCURRENCIES, modes=MODES
+) -> dict:
+    """Every (mode, concurrency) point on one engine -> {"engine": facts, "points": [...]}. An
+    engine without speculation runs mode "off" alone."""
     device = config.torch_device()
     is_cuda = device.type == "cuda"
     if is_cuda:
@@ -129,8 +138,11 @@ def run_engine(config: EngineConfig, workload: Workload, concurrencies=CONCURREN
     draft = ReplayCounter(engine.draft_runner) if engine.draft_runner is not None else None
     _run_point(engine, 2, Workload(workload.prompt_len, 4, 0.0, workload.seed))  # warm-up
     points = []
-    for mode in MODES:
-        engine.set_speculation_mode(mode)
+    if config.speculative_config is None:
+        modes = ("off",)
+    for mode in modes:
+        if config.speculative_config is not None:
+            engine.set_speculation_mode(mode)
         for concurrency in concurrencies:
             for counter in (target, draft):
                 if counter is not None:
@@ -146,6 +158,7 @@ def run_engine(config: EngineConfig, workload: Workload, concurrencies=CONCURREN
             accepted = engine.spec_stats.num_accepted_tokens - spec_before[1]
             point = PointResult(
                 graphs=not config.enforce_eager,
+                batch_invariant=config.batch_invariant,
                 mode=mode,
                 concurrency=concurrency,
                 graph_share=target.share,
@@ -172,6 +185,7 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
         budget = int(config.gpu_memory_utilization * total)
     return {
         "graphs": not config.enforce_eager,
+        "batch_invariant": config.batch_invariant,
         "attention_backend": config.attention_backend,
         "block_size": config.block_size,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),

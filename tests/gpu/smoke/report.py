@@ -6,6 +6,7 @@ from typing import Any
 
 COLUMNS = (
     "graphs",
+    "batch-invariant",
     "mode",
     "c",
     "tok/s",
@@ -27,6 +28,7 @@ def markdown_table(bench: dict[str, Any]) -> str:
         for p in engine["points"]:
             cells = (
                 "on" if p["graphs"] else "off",
+                "on" if p.get("batch_invariant") else "off",
                 p["mode"],
                 p["concurrency"],
                 f"{p['tokens_per_s']:.0f}",
@@ -55,6 +57,8 @@ def bench_failures(bench: dict[str, Any]) -> list[str]:
         facts = engine["engine"]
         budget = facts["memory_budget_bytes"]
         graphs = f"graphs {'on' if facts['graphs'] else 'off'}"
+        if facts.get("batch_invariant"):
+            graphs += ", batch-invariant"
         failures += _over_budget(graphs, facts.get("peak_memory_bytes"), budget)
         for p in engine["points"]:
             where = f"{graphs}, {p['mode']}, c={p['concurrency']}"
