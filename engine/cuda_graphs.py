@@ -25,6 +25,11 @@ before the replay, and the step is padded to a captured size.
 - What is captured: the model body (embeddings, rope lookup on the fixed positions tensor, every
   layer with its K/V writes and attention, final norm) into a fixed hidden-states tensor. The LM
   head runs eagerly on the real rows only, which also gives the caller a fresh logits tensor.
+- EAGLE-3: a target an EAGLE-3 head taps (`model.aux_layers`) is captured with its taps, a second
+  fixed output the replay hands to `model.aux_hidden` for the head's extend; the head itself (a
+  model with `input_hidden_size`) reads a hidden state per token besides its ids, copied into a
+  fixed input tensor before the replay (`hidden_states`: its extend over decoding requests'
+  accepted tokens takes verify buckets, its chained draft steps decode buckets).
 - Memory: every graph is captured into one shared memory pool, largest first, so the smaller
   graphs reuse the larger ones' intermediate buffers. A graph's output is only valid until the
   next replay of any graph: `forward` turns it into logits at once.
@@ -141,8 +146,9 @@ class Graph(Protocol):
 class CaptureDevice(Protocol):
     """The CUDA primitives CudaGraphs needs, behind an interface so tests run on CPU."""
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
-        """Warm `fn` up, capture it (into the shared pool) -> (graph, its output tensor)."""
+    def capture(self, fn: Callable[[], Any]) -> tuple[Graph, Any]:
+        """Warm `fn` up, capture it (into the shared pool) -> (graph, its output: a tensor or a
+        tuple of tensors)."""
         ...
 
     def copies_queued(self) -> None:
@@ -186,7 +192,7 @@ class CudaCaptureDevice:
             self._copied = torch.cuda.Event()
         self._has_copies = False
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+    def capture(self, fn: Callable[[], Any]) -> tuple[Graph, Any]:
         # Warm up on the capture stream: lazy set-up (cuBLAS handles and workspaces, the first
         # launch of a kernel) must not happen during the capture. The inputs were copied on the
         # current stream, so the side stream waits for them.
@@ -224,6 +230,9 @@ class Bucket:
 class _Captured:
     graph: Graph
     hidden: torch.Tensor  # [num_tokens, hidden_size], rewritten by every replay
+    # [num_tokens, len(aux_layers) * hidden_size]: the tapped layers' inputs, where an EAGLE-3
+    # head taps the model; rewritten by every replay too.
+    taps: torch.Tensor | None = None
 
 
 class CudaGraphs:
@@ -254,6 +263,15 @@ class CudaGraphs:
         self._host_positions = torch.zeros(
             max_tokens, dtype=torch.int64, device="cpu", pin_memory=pin
         )
+        # A model that reads a hidden state per token besides its ids (an EAGLE-3 head) reads it
+        # from a fixed tensor too; a model an EAGLE-3 head taps gives its taps as a second output.
+        width = getattr(runner.model, "input_hidden_size", None)
+        self._hidden_in = (
+            None
+            if width is None
+            else torch.zeros(max_tokens, width, dtype=runner.dtype, device=device)
+        )  # [max_tokens, width]
+        self._tapped = bool(getattr(runner.model, "aux_layers", ()))
         self._graphs: dict[Bucket, _Captured] = {}
         self._capture_all()
 
@@ -270,22 +288,52 @@ class CudaGraphs:
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None | _NotCaptured:
         """Replay the step's bucket -> logits [sum of num_logits, vocab_size] (float32), rows in
         chunk order, or None when no chunk asks for logits, as ModelRunner.forward returns
-        them; NOT_CAPTURED when no bucket holds the step."""
+        them; NOT_CAPTURED when no bucket holds the step. A tapped model's taps of the step's
+        tokens are left in `model.aux_hidden` (valid until the next replay)."""
+        replayed = self._replay(chunks, None)
+        if replayed is NOT_CAPTURED:
+            return NOT_CAPTURED
+        step, hidden = replayed
+        if not step.logit_rows:
+            return None
+        if len(step.logit_rows) < step.layout.num_tokens:  # some chunk is prompt-like: its rows
+            rows = self._runner.device.tensor(step.logit_rows, torch.int64)  # [num_logits]
+            hidden = hidden[rows]  # [num_logits, hidden_size]
+        return self._runner.model.compute_logits(hidden)  # [num_logits, vocab_size]
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, chunks: Sequence[SeqChunk], hidden_in: torch.Tensor
+    ) -> torch.Tensor | _NotCaptured:
+        """For a model that reads a hidden state per token (`input_hidden_size`): replay the
+        step's bucket with `hidden_in` [num_tokens, width] -> the model's output [num_tokens,
+        hidden_size], a fresh tensor; NOT_CAPTURED when no bucket holds the step."""
+        assert self._hidden_in is not None, "this model takes no hidden input"
+        replayed = self._replay(chunks, hidden_in)
+        if replayed is NOT_CAPTURED:
+            return NOT_CAPTURED
+        return replayed[1].clone()  # the graph's output is rewritten by the next replay
+
+    def _replay(
+        self, chunks: Sequence[SeqChunk], hidden_in: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor] | _NotCaptured:
+        """Load and replay the step's bucket -> (the flattened step, the output rows of its
+        tokens, valid until the next replay), or NOT_CAPTURED."""
         bucket = self.bucket(chunks)
         if bucket is None:
             return NOT_CAPTURED
         step = flatten_step(chunks, self._runner.block_size)
         layout = step.layout
+        n = layout.num_tokens
         self._load(layout, step.token_ids, step.positions, bucket.num_tokens)
+        if self._hidden_in is not None:
+            assert hidden_in is not None and hidden_in.shape[0] == n
+            self._hidden_in[:n].copy_(hidden_in)  # device to device, in stream order
         captured = self._graphs[bucket]
         captured.graph.replay()
-        hidden = captured.hidden[: layout.num_tokens]  # [num_tokens, hidden_size]
-        if not step.logit_rows:
-            return None
-        if len(step.logit_rows) < layout.num_tokens:  # some chunk is prompt-like: its rows
-            rows = self._runner.device.tensor(step.logit_rows, torch.int64)  # [num_logits]
-            hidden = hidden[rows]  # [num_logits, hidden_size]
-        return self._runner.model.compute_logits(hidden)  # [num_logits, vocab_size]
+        if captured.taps is not None:
+            self._runner.model.aux_hidden = captured.taps[:n]
+        return step, captured.hidden[:n]  # [num_tokens, hidden_size]
 
     def _load(
         self, layout: BatchLayout, token_ids: list[int], positions: list[int], num_tokens: int
@@ -311,17 +359,21 @@ class CudaGraphs:
         padding = BatchLayout((), (), (), no_slots, self._runner.block_size)
         for bucket in sorted(self.buckets, key=lambda b: (-b.num_tokens, -b.max_query_len)):
             self._load(padding, [], [], bucket.num_tokens)
-            graph, hidden = self._capture.capture(self._body(bucket))
-            self._graphs[bucket] = _Captured(graph, hidden)
+            graph, out = self._capture.capture(self._body(bucket))
+            self._graphs[bucket] = _Captured(graph, *out) if self._tapped else _Captured(graph, out)
+        if self._tapped:
+            self._runner.model.aux_hidden = None  # the capture's, not a step's
 
-    def _body(self, bucket: Bucket) -> Callable[[], torch.Tensor]:
+    def _body(self, bucket: Bucket) -> Callable[[], Any]:
         """The captured work for one bucket. It reads only fixed tensors and ints fixed here:
         whatever else it read would be frozen at its capture-time value on replay."""
         runner, t = self._runner, bucket.num_tokens
         ids, positions = self._ids[:t], self._positions[:t]  # [t]
         metadata = self._metadata.view(t, bucket.max_query_len, self.max_model_len)
+        hidden_in = None if self._hidden_in is None else self._hidden_in[:t]  # [t, width]
+        tapped = self._tapped
 
-        def body() -> torch.Tensor:
+        def body() -> Any:
             cos, sin = runner.rope(positions, runner.dtype)  # [t, head_dim]
             ctx = ForwardContext(
                 backend=runner.backend,
@@ -330,7 +382,12 @@ class CudaGraphs:
                 cos=cos,
                 sin=sin,
             )
-            return runner.model(ids, ctx)  # [t, hidden_size]
+            if hidden_in is not None:
+                return runner.model(ids, ctx, hidden_in)  # [t, hidden_size]
+            hidden = runner.model(ids, ctx)  # [t, hidden_size]
+            if tapped:
+                return hidden, runner.model.aux_hidden  # and [t, n_aux * hidden_size]
+            return hidden
 
         return body
 

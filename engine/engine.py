@@ -97,11 +97,10 @@ class LLMEngine:
             if self.draft_runner is not None:
                 # Its first forward of a step (1 + catch-up tokens per drafting request) replays
                 # a graph too, up to draft_max_query_len tokens each; longer catch-up is eager.
+                # An EAGLE-3 head's extend over decoding requests (1 + accepted tokens each)
+                # and its chained draft steps fit the same buckets.
                 self.draft_runner.allocate_kv_cache(
-                    num_blocks,
-                    max_query_len=draft_max_query_len(num_drafts),
-                    # An EAGLE-3 head's steps run eagerly for now (no captured graphs).
-                    capture=spec_config is None or spec_config.model_drafter != "eagle3",
+                    num_blocks, max_query_len=draft_max_query_len(num_drafts)
                 )
         log_memory(plan, runners, config.block_size)
         release_freed_heap()  # what loading freed, out of the resident set

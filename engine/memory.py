@@ -205,6 +205,13 @@ def plan_for(
         reserve += sum(
             activation_bytes(r.model_config, r.dtype.itemsize, graph_tokens, 0) for r in runners
         )
+        # A tapped target's graphs keep its taps as a second output; an EAGLE-3 head's graphs
+        # read their hidden input from a fixed tensor.
+        reserve += num_taps * target.model_config.hidden_size * target.dtype.itemsize * graph_tokens
+        reserve += sum(
+            getattr(r.model, "input_hidden_size", 0) * r.dtype.itemsize * graph_tokens
+            for r in runners
+        )
     return plan_kv_cache(
         bytes_per_block,
         runners[0].device.memory_info(),

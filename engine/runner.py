@@ -120,9 +120,7 @@ class ModelRunner:
         assert self.kv_caches, "allocate_kv_cache first"
         return self.num_blocks
 
-    def allocate_kv_cache(
-        self, num_blocks: int, max_query_len: int | None = None, capture: bool = True
-    ) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_query_len: int | None = None) -> None:
         """Per layer, K and V of [num_blocks + 1, block_size, num_kv_heads, head_dim]: the
         num_blocks the block manager owns, then `pad_block`. Zeroed, so a slot never written
         holds no NaN for a masked attention weight of 0 to multiply. Then, on CUDA, capture the
@@ -139,8 +137,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         )
         self.num_blocks = num_blocks
-        if capture:
-            self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
+        self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
 
     def step_inputs(self, chunks: Sequence[SeqChunk]) -> tuple[Any, ForwardContext, torch.Tensor]:
         """The flattened step, its forward context and its token ids [num_tokens] on the device."""
@@ -157,12 +154,24 @@ class ModelRunner:
         return step, ctx, self.device.tensor(step.token_ids, torch.int64)
 
     @torch.inference_mode()
+    def hidden_forward(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """For a model that reads a hidden state per token besides its ids (an EAGLE-3 head,
+        `input_hidden_size`): its output [num_tokens, hidden_size] for `hidden` [num_tokens,
+        input_hidden_size], from a captured graph where one holds the step, else eagerly."""
+        if self.graphs is not None:
+            out = self.graphs.hidden_states(chunks, hidden)
+            if out is not NOT_CAPTURED:
+                return out
+        _, ctx, ids = self.step_inputs(chunks)
+        return self.model(ids, ctx, hidden)
+
+    @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
         """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
         rows in chunk order, or None when no chunk asks for logits. A decode or verify step
-        that fits a captured CUDA graph replays it instead (not while an EAGLE-3 head taps the
-        model's layers: the graphs do not keep the taps)."""
-        if self.graphs is not None and not getattr(self.model, "aux_layers", ()):
+        that fits a captured CUDA graph replays it instead (the taps of a model an EAGLE-3 head
+        reads included)."""
+        if self.graphs is not None:
             logits = self.graphs.forward(chunks)
             if logits is not NOT_CAPTURED:
                 return logits

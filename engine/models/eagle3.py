@@ -217,6 +217,9 @@ class Eagle3Head(nn.Module):
         self.fc = Linear(
             num_aux * head.target_hidden_size, h, bias=False, device="meta", dtype=dtype
         )
+        # What forward's `hidden` is per token (fc's output, or the head's own last output):
+        # CUDA graphs give it a fixed input tensor of this width (engine.cuda_graphs).
+        self.input_hidden_size = h
         self.midlayer = Eagle3Layer(cfg, head.norm_before_residual, dtype)
         self.norm = RMSNorm(h, head.rms_norm_eps, dtype)
         self.lm_head = Linear(h, head.draft_vocab_size, bias=False, device="meta", dtype=dtype)

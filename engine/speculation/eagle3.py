@@ -126,8 +126,7 @@ class Eagle3Proposer(ModelDrafter):
         start = device.mark()
         index = self.runner.device.tensor([r for span_rows in rows for r in span_rows], torch.int64)
         hidden = self.head.combine(taps[index])  # [num_tokens, H]
-        _, ctx, ids = self.runner.step_inputs(chunks)
-        out = self.head(ids, ctx, hidden)  # [num_tokens, H]
+        out = self.runner.hidden_forward(chunks, hidden)  # [num_tokens, H]
         ends = list(itertools.accumulate(lasts))
         last = out[self.runner.device.tensor([e - 1 for e in ends], torch.int64)]  # [spans, H]
         for i, span in enumerate(spans):
@@ -172,8 +171,7 @@ class Eagle3Proposer(ModelDrafter):
             table = self.block_manager.get_block_table(request.request_id)
             chunks.append(SeqChunk([ids[-1]], position, table, 1))
             hidden.append(self._chain[request.request_id])
-        _, ctx, ids = self.runner.step_inputs(chunks)
-        out = self.head(ids, ctx, torch.stack(hidden))  # [num_active, H]
+        out = self.runner.hidden_forward(chunks, torch.stack(hidden))  # [num_active, H]
         for i, (request, _) in enumerate(active):
             self._chain[request.request_id] = out[i]
         return self._logits(out)

@@ -82,3 +82,32 @@ def test_replayed_steps_match_eager_logits(tiny_llama):
             runner.graphs = graphs
         assert expected is not None and replayed.shape == expected.shape
         torch.testing.assert_close(replayed.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_an_eagle3_head_and_its_tapped_target_replay_graphs(tiny_llama, tmp_path):
+    """With an EAGLE-3 head, the target's decode/verify steps replay graphs that keep its taps,
+    and the head's extend and chained draft steps replay graphs of their own: greedy tokens
+    equal the eager engine's, and both runners replayed."""
+    from tests.eagle3_heads import build_tiny_eagle3_head
+
+    head = build_tiny_eagle3_head(tmp_path, tiny_llama, seed=3, aux_layer_ids=[0, 1])
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "mode": "always"}
+    graphed = _llm(tiny_llama, speculative_config=spec)
+    target, drafter = graphed.engine.runner, graphed.engine.draft_runner
+    assert target.graphs is not None and drafter is not None and drafter.graphs is not None
+    replays = {"target": 0, "head": 0}
+
+    def counting(name, forward):
+        def counted(*args):
+            out = forward(*args)
+            replays[name] += out is not NOT_CAPTURED
+            return out
+
+        return counted
+
+    target.graphs.forward = counting("target", target.graphs.forward)
+    drafter.graphs.hidden_states = counting("head", drafter.graphs.hidden_states)
+    eager = _llm(tiny_llama, speculative_config=spec, enforce_eager=True)
+    assert _greedy(graphed) == _greedy(eager)
+    assert replays["target"] > 0 and replays["head"] > 0, replays
+    assert graphed.engine.spec_stats.num_draft_tokens > 0

@@ -87,14 +87,19 @@ def reference_varlen(
 
 
 class FakeGraph:
-    """Replay re-runs the captured callable into the tensor the capture returned."""
+    """Replay re-runs the captured callable into the tensor (or tensors) the capture returned."""
 
-    def __init__(self, fn, out: torch.Tensor) -> None:
+    def __init__(self, fn, out: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.fn, self.out, self.num_replays = fn, out, 0
 
     def replay(self) -> None:
         self.num_replays += 1
-        self.out.copy_(self.fn())
+        new = self.fn()
+        if isinstance(self.out, tuple):
+            for out, value in zip(self.out, new, strict=True):
+                out.copy_(value)
+        else:
+            self.out.copy_(new)
 
 
 class FakeCaptureDevice:

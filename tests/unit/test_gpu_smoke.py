@@ -134,7 +134,14 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         (True, False),
         (False, False),
         (False, True),
+        (True, False),
     ]
+    eagle3 = engines.pop()
+    assert eagle3["engine"]["speculation"] == "eagle3"
+    assert [(p["mode"], p["concurrency"]) for p in eagle3["points"]] == [
+        ("always", c) for c in INVARIANT_CONCURRENCIES
+    ]
+    assert all(p["num_tokens"] > 0 and p["acceptance"] is not None for p in eagle3["points"])
     invariant = engines.pop()
     assert invariant["engine"]["attention_backend"] == "cpu"  # the CPU's batch-invariant one
     assert [(p["mode"], p["concurrency"]) for p in invariant["points"]] == [
@@ -159,7 +166,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
 
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert table[0] == "| " + " | ".join(COLUMNS) + " |"
-    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES) + len(INVARIANT_CONCURRENCIES)
+    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES) + 2 * len(INVARIANT_CONCURRENCIES)
     assert printed.rstrip().endswith("===== gpu-smoke: PASS")
 
 

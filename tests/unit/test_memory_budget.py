@@ -193,3 +193,43 @@ def test_release_freed_heap_gives_freed_pages_back():
     for keeper in keepers:
         libc.free(keeper)
     assert before - after > 50 << 20
+
+
+def test_the_graph_pool_reserve_counts_an_eagle3_heads_taps_and_hidden_input():
+    """With CUDA graphs, a target an EAGLE-3 head taps keeps its taps for a whole step (eager)
+    and as a second output of its graphs; the head's graphs read their hidden input from a
+    fixed tensor: all three are reserved beside the activations."""
+    cfg = SimpleNamespace(
+        hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, head_dim=4,
+        vocab_size=100,
+    )  # fmt: skip
+    device = SimpleNamespace(is_cuda=True, memory_info=lambda: (60 * GiB, 80 * GiB))
+    config = SimpleNamespace(
+        max_num_batched_tokens=256, max_num_seqs=8, block_size=16, enforce_eager=False,
+        attention_backend="flash_attn", num_kv_blocks=None, kv_cache_memory=None,
+        gpu_memory_utilization=0.9,
+    )  # fmt: skip
+    flash = SimpleNamespace(name="flash_attn")
+
+    def budget(taps: tuple[int, ...], width: int) -> int:
+        target, head = (
+            SimpleNamespace(
+                kv_bytes_per_block=MiB,
+                model_config=cfg,
+                dtype=torch.float32,
+                backend=flash,
+                device=device,
+                model=model,
+            )  # fmt: skip
+            for model in (
+                SimpleNamespace(aux_layers=taps),
+                SimpleNamespace(input_hidden_size=width),
+            )
+        )
+        return plan_for(config, [target, head], 512, max_num_drafts=3).budget  # type: ignore[arg-type]
+
+    graph_tokens = min(256, 8 * (1 + 3))  # the captured step's tokens
+    eager_taps = 2 * 64 * 4 * 256
+    graph_taps = 2 * 64 * 4 * graph_tokens
+    hidden_input = 64 * 4 * graph_tokens
+    assert budget((), 0) - budget((0, 1), 64) == eager_taps + graph_taps + hidden_input

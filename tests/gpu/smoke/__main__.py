@@ -15,8 +15,9 @@ Stages, in order; the first failure of the environment stops it, later stages al
    checks must run whatever is asked.
 4. Bench: the GPU preset over a random-weight Qwen2.5-1.5B-shaped model made here from a seed,
    with a draft that is its first layer (tests/gpu/smoke/models.py), at c = 1, 8, 64, speculation
-   off and auto, CUDA graphs on and off; then the batch-invariant mode's price at c = 1, 8
-   (tests/gpu/smoke/bench.py).
+   off and auto, CUDA graphs on and off; then the batch-invariant mode's price at c = 1, 8, and a
+   random EAGLE-3 head (mode always, graphs on) at c = 1, 8: its graphs' replay share and its
+   steps' cost (tests/gpu/smoke/bench.py).
 It writes one JSON (--out; default $OUT/gpu-smoke.json where $OUT is set, else
 bench/results/gpu-smoke.json) and prints one markdown table. Exit status 0 only when every stage
 passed.
@@ -152,7 +153,7 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
         engine_config,
         run_engine,
     )
-    from tests.gpu.smoke.models import QWEN25_1_5B, TINY, build_pair
+    from tests.gpu.smoke.models import QWEN25_1_5B, TINY, build_head, build_pair
 
     dry = device == "cpu"
     # Mode auto's calibration measured on this node now, not read from an earlier run's cache.
@@ -178,6 +179,13 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
                 pair, torch.device(device), False, batch_invariant=True, **overrides
             )
             bench["engines"].append(run_engine(config, workload, INVARIANT_CONCURRENCIES))
+            head = build_head(Path(tmp), pair, dtype)
+            eagle3 = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+            config = engine_config(pair, torch.device(device), True, **overrides,
+                                   speculative_config=dict(eagle3, mode="always"))  # fmt: skip
+            bench["engines"].append(
+                run_engine(config, workload, INVARIANT_CONCURRENCIES, modes=("always",))
+            )
         except Exception:
             bench["error"] = traceback.format_exc(limit=20)
             logger.exception("the bench failed")

@@ -1,7 +1,8 @@
 """The smoke bench: the GPU preset's engine over a random-weight model of a real shape, at a few
 concurrencies, speculation off and auto, CUDA graphs on and off; then the price of the
 batch-invariant mode (`batch_invariant: true`, no speculation, eager as the Triton attention
-backend runs) at the first two concurrencies, to read against the graphs-off engine's "off" rows.
+backend runs) at the first two concurrencies, to read against the graphs-off engine's "off" rows;
+and a random EAGLE-3 head in mode always with graphs, at the same two.
 
 One engine per graphs setting (`enforce_eager`), built as the preset builds it: KV sized by
 `gpu_memory_utilization`, mode auto calibrated at start. Each point keeps `concurrency` greedy
@@ -186,6 +187,7 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
     return {
         "graphs": not config.enforce_eager,
         "batch_invariant": config.batch_invariant,
+        "speculation": config.speculative_config.method if config.speculative_config else None,
         "attention_backend": config.attention_backend,
         "block_size": config.block_size,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),

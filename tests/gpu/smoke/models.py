@@ -109,6 +109,26 @@ def build_pair(
     return ModelPair(target, draft, model, draft_layers, seed)
 
 
+def build_head(root: Path, pair: ModelPair, dtype: torch.dtype) -> Path:
+    """A random EAGLE-3 head for the pair's target in the published format (tests/
+    eagle3_heads.py), under root/head: a draft vocabulary of at most 32k ids, the default taps.
+    Its drafts are mostly rejected; the bench runs it in mode always, for what its graphs and
+    steps cost, not for speed-up."""
+    from tests.eagle3_heads import build_tiny_eagle3_head
+
+    shape = pair.model.shape
+    # The default taps (2, L/2, L-3) are three layers from 7 on; below, the first three.
+    taps = None if shape["num_hidden_layers"] >= 7 else [0, 1, 2]
+    return build_tiny_eagle3_head(
+        root / "head",
+        pair.target,
+        seed=pair.seed,
+        draft_vocab_size=min(shape["vocab_size"], 32000),
+        aux_layer_ids=taps,
+        dtype=dtype,
+    )
+
+
 def _write_config(path: Path, shape: dict[str, Any], dtype: torch.dtype) -> None:
     import transformers
 

@@ -29,7 +29,7 @@ def markdown_table(bench: dict[str, Any]) -> str:
             cells = (
                 "on" if p["graphs"] else "off",
                 "on" if p.get("batch_invariant") else "off",
-                p["mode"],
+                _mode(p["mode"], facts.get("speculation")),
                 p["concurrency"],
                 f"{p['tokens_per_s']:.0f}",
                 _number(p["ttft_p50_ms"], ".1f"),
@@ -74,6 +74,11 @@ def _over_budget(where: str, peak: int | None, budget: int | None) -> list[str]:
     if peak is None or budget is None or peak <= budget:
         return []
     return [f"{where}: peak memory past the budget ({_memory(peak, budget)} GiB)"]
+
+
+def _mode(mode: str, method: str | None) -> str:
+    """ "auto", or "always (eagle3)" where the engine's proposer is worth naming."""
+    return f"{mode} ({method})" if mode != "off" and method else mode
 
 
 def _number(value: float | None, spec: str) -> str:
