@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_TOKENS = 512
+# The attention backends whose forward can be captured (GraphableBackend), by name: what the
+# memory plan reserves a graph pool for before any backend is built.
+GRAPHABLE_BACKENDS = ("flash_attn", "triton")
 
 
 # A draft model's first forward of a step gives a drafting request the tokens the draft has not

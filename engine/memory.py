@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.cuda_graphs import MAX_CAPTURE_TOKENS
+from engine.cuda_graphs import GRAPHABLE_BACKENDS, MAX_CAPTURE_TOKENS
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
@@ -194,9 +194,14 @@ def plan_for(
     # another, so the largest model's workspace is the most that is ever alive.
     reserve += max(gather_workspace_bytes(r, max_len) for r in runners)
     # Captured CUDA graphs keep their own pool of activations for the largest captured step,
-    # alive beside the eager steps' (engine.cuda_graphs; flash_attn is the backend they need).
+    # alive beside the eager steps' (engine.cuda_graphs; flash_attn and triton are the backends
+    # they capture).
     device = runners[0].device
-    if device.is_cuda and not config.enforce_eager and config.attention_backend == "flash_attn":
+    if (
+        device.is_cuda
+        and not config.enforce_eager
+        and config.attention_backend in GRAPHABLE_BACKENDS
+    ):
         graph_tokens = min(
             config.max_num_batched_tokens,
             config.max_num_seqs * (1 + max_num_drafts),

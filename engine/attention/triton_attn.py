@@ -79,10 +79,95 @@ def padded_block_table(layout: BatchLayout) -> torch.Tensor:
     return table
 
 
+class StaticTritonMetadata:
+    """The kernel's metadata at fixed addresses, for steps padded to a captured token count
+    (engine.cuda_graphs). A graph captured for T tokens launches T x num_kv_heads programs; a
+    step of n <= T real tokens in r sequences is laid out as:
+    - tokens 0 .. n-1: the real ones (their request's row of the block table, their position,
+      their cache slot);
+    - padded token j (n + j): request row r, whose blocks are all `pad_block` (a block no request
+      owns), position 0; it writes its K/V to slot j mod block_size of the pad block, so padding
+      never touches a real request's cache, and attends to that block alone.
+    Every output row is computed (padded rows are dropped by the caller). Host copies go through
+    pinned mirrors and do not block: the caller must not refill before the previous refill's
+    copies have run (CudaGraphs fences them)."""
+
+    def __init__(
+        self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_tokens, self.max_blocks_per_seq, self.block_size = (
+            max_tokens,
+            max_blocks_per_seq,
+            block_size,
+        )
+        pin = device.type == "cuda"
+
+        def tensors(on: torch.device, pinned: bool) -> TritonAttentionMetadata:
+            def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.zeros(shape, dtype=dtype, device=on, pin_memory=pinned)
+
+            return TritonAttentionMetadata(
+                slot_mapping=zeros(max_tokens, dtype=torch.int64),
+                token_seq=zeros(max_tokens, dtype=torch.int32),
+                token_pos=zeros(max_tokens, dtype=torch.int32),
+                # One row per request, and the pad row: at most max_tokens rows in all.
+                block_table=zeros(max_tokens, max_blocks_per_seq, dtype=torch.int32),
+            )
+
+        self._host = tensors(torch.device("cpu"), pin)
+        self._device = tensors(device, False)
+
+    def view(self, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int) -> TritonAttentionMetadata:
+        """The metadata a graph of `num_tokens` tokens captures: prefixes of the fixed tensors
+        (the kernel needs no maximum lengths: each program reads its own token's)."""
+        assert 1 <= num_tokens <= self.max_tokens
+        d = self._device
+        return TritonAttentionMetadata(
+            slot_mapping=d.slot_mapping[:num_tokens],
+            token_seq=d.token_seq[:num_tokens],
+            token_pos=d.token_pos[:num_tokens],
+            block_table=d.block_table,
+        )
+
+    def fill(self, layout: BatchLayout, num_tokens: int, pad_block: int) -> None:
+        """Lay out `layout` (the real step) padded to `num_tokens` tokens, as the class says,
+        and copy it into the device tensors (non-blocking from pinned memory on CUDA)."""
+        bs, n, r, t = self.block_size, layout.num_tokens, layout.num_reqs, num_tokens
+        assert layout.block_size == bs and n <= t <= self.max_tokens and r < self.max_tokens
+        h = self._host
+        token_seq, token_pos = token_positions(layout)
+        h.slot_mapping[:n].copy_(layout.slot_mapping)
+        h.token_seq[:n].copy_(token_seq)
+        h.token_pos[:n].copy_(token_pos)
+        pads = torch.arange(t - n, dtype=torch.int64, device="cpu")
+        h.slot_mapping[n:t].copy_(pads % bs + pad_block * bs)
+        h.token_seq[n:t].fill_(r)
+        h.token_pos[n:t].zero_()
+        rows = r + 1 if t > n else r
+        h.block_table[:rows].fill_(pad_block)
+        for i, (blocks, seq_len) in enumerate(
+            zip(layout.block_tables, layout.seq_lens, strict=True)
+        ):
+            used = -(-seq_len // bs)
+            assert used <= self.max_blocks_per_seq and used <= len(blocks)
+            h.block_table[i, :used] = torch.tensor(blocks[:used], dtype=torch.int32, device="cpu")
+        d = self._device
+        d.slot_mapping[:t].copy_(h.slot_mapping[:t], non_blocking=True)
+        d.token_seq[:t].copy_(h.token_seq[:t], non_blocking=True)
+        d.token_pos[:t].copy_(h.token_pos[:t], non_blocking=True)
+        d.block_table[:rows].copy_(h.block_table[:rows], non_blocking=True)
+
+
 class TritonAttentionBackend:
     """Paged attention by one Triton kernel per layer (CUDA; Triton's interpreter on CPU)."""
 
     name = "triton"
+
+    def allocate_static_metadata(
+        self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> StaticTritonMetadata:
+        """Fixed metadata tensors for CUDA graphs (engine.cuda_graphs.GraphableBackend)."""
+        return StaticTritonMetadata(max_tokens, max_blocks_per_seq, block_size, device)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TritonAttentionMetadata:
         token_seq, token_pos = token_positions(layout)

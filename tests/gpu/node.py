@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import flash_attn_available
+from engine.attention import flash_attn_available, triton_available
 from engine.outputs import CompletionOutput
 
 DEVICE_ENV = "SPECSERVE_GPU_TESTS_DEVICE"
@@ -62,6 +62,8 @@ class Setup:
         """Skip the calling test where this setup cannot run."""
         if self.backend == "flash_attn" and not (device.type == "cuda" and flash_attn_available()):
             pytest.skip("flash_attn needs CUDA and the flash-attn package")
+        if self.backend == "triton" and not (device.type == "cuda" and triton_available()):
+            pytest.skip("the triton backend needs CUDA and Triton")
 
     def engine_kwargs(self, device: torch.device, **overrides: Any) -> dict[str, Any]:
         """`LLM` keyword arguments: everything explicit (no default of the engine's is relied
@@ -87,6 +89,8 @@ TORCH_BF16 = Setup("torch", "bfloat16", 16, 0.05)
 TORCH_FP16 = Setup("torch", "float16", 16, 0.01)
 FLASH_BF16 = Setup("flash_attn", "bfloat16", 256, 0.05)
 FLASH_FP16 = Setup("flash_attn", "float16", 256, 0.01)
+# The Triton backend in flash-attn's page size: the graph checks' block tables hold for both.
+TRITON_BF16 = Setup("triton", "bfloat16", 256, 0.05)
 
 
 def reference_for(setup: Setup) -> Setup:

@@ -1,4 +1,5 @@
-"""CUDA graphs against the eager path on a GPU with flash-attn (skipped without them).
+"""CUDA graphs against the eager path on a GPU, with each attention backend that captures
+(flash-attn where installed, Triton; skipped without them).
 
 Graphs on and `enforce_eager=True` give the same greedy tokens, with and without speculation,
 and a replayed decode or verify step gives the eager step's logits within bfloat16 tolerance.
@@ -12,15 +13,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import flash_attn_available
 from engine.cuda_graphs import NOT_CAPTURED
 from engine.runner import SeqChunk
-from tests.gpu.node import FLASH_BF16
+from tests.gpu.node import FLASH_BF16, TRITON_BF16, Setup, needs_device
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not flash_attn_available(), reason="needs CUDA and flash-attn"),
-]
+CUDA = torch.device("cuda")
+
+pytestmark = [pytest.mark.gpu, needs_device]
+SETUPS = pytest.mark.parametrize("setup", [FLASH_BF16, TRITON_BF16], ids=lambda s: s.backend)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, [11, 12, 13], list(range(20, 90)), [40, 41] * 9]
 NGRAM = {
@@ -31,11 +31,12 @@ NGRAM = {
 }
 
 
-def _llm(model, **overrides) -> LLM:
+def _llm(model, setup: Setup, **overrides) -> LLM:
     # A small explicit KV pool (32 pages of 256 tokens): an unsized pool takes ~0.9 of the card,
     # and the second engine of a test could then not hold one block. max_model_len: the tiny
     # model's 512 positions.
-    kwargs = FLASH_BF16.engine_kwargs(torch.device("cuda"), max_model_len=512, **overrides)
+    setup.require(CUDA)
+    kwargs = setup.engine_kwargs(CUDA, max_model_len=512, **overrides)
     return LLM(str(model), max_num_seqs=4, **kwargs)
 
 
@@ -44,17 +45,19 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
+@SETUPS
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["decode", "ngram-verify"])
-def test_graphs_give_the_eager_greedy_tokens(tiny_llama, spec):
-    graphed = _llm(tiny_llama, speculative_config=spec)
+def test_graphs_give_the_eager_greedy_tokens(tiny_llama, setup, spec):
+    graphed = _llm(tiny_llama, setup, speculative_config=spec)
     assert graphed.engine.runner.graphs is not None
-    eager = _llm(tiny_llama, speculative_config=spec, enforce_eager=True)
+    eager = _llm(tiny_llama, setup, speculative_config=spec, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     assert _greedy(graphed) == _greedy(eager)
 
 
-def test_replayed_steps_match_eager_logits(tiny_llama):
-    runner = _llm(tiny_llama, speculative_config=NGRAM).engine.runner
+@SETUPS
+def test_replayed_steps_match_eager_logits(tiny_llama, setup):
+    runner = _llm(tiny_llama, setup, speculative_config=NGRAM).engine.runner
     graphs = runner.graphs
     assert graphs is not None
     rng = random.Random(0)
@@ -84,7 +87,8 @@ def test_replayed_steps_match_eager_logits(tiny_llama):
         torch.testing.assert_close(replayed.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_an_eagle3_head_and_its_tapped_target_replay_graphs(tiny_llama, tmp_path):
+@SETUPS
+def test_an_eagle3_head_and_its_tapped_target_replay_graphs(tiny_llama, tmp_path, setup):
     """With an EAGLE-3 head, the target's decode/verify steps replay graphs that keep its taps,
     and the head's extend and chained draft steps replay graphs of their own: greedy tokens
     equal the eager engine's, and both runners replayed."""
@@ -92,7 +96,7 @@ def test_an_eagle3_head_and_its_tapped_target_replay_graphs(tiny_llama, tmp_path
 
     head = build_tiny_eagle3_head(tmp_path, tiny_llama, seed=3, aux_layer_ids=[0, 1])
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "mode": "always"}
-    graphed = _llm(tiny_llama, speculative_config=spec)
+    graphed = _llm(tiny_llama, setup, speculative_config=spec)
     target, drafter = graphed.engine.runner, graphed.engine.draft_runner
     assert target.graphs is not None and drafter is not None and drafter.graphs is not None
     replays = {"target": 0, "head": 0}
@@ -107,7 +111,7 @@ def test_an_eagle3_head_and_its_tapped_target_replay_graphs(tiny_llama, tmp_path
 
     target.graphs.forward = counting("target", target.graphs.forward)
     drafter.graphs.hidden_states = counting("head", drafter.graphs.hidden_states)
-    eager = _llm(tiny_llama, speculative_config=spec, enforce_eager=True)
+    eager = _llm(tiny_llama, setup, speculative_config=spec, enforce_eager=True)
     assert _greedy(graphed) == _greedy(eager)
     assert replays["target"] > 0 and replays["head"] > 0, replays
     assert graphed.engine.spec_stats.num_draft_tokens > 0

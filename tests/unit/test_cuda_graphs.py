@@ -429,3 +429,19 @@ def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num
     full_batch = [SeqChunk([0, 0], 0, [0], 1) for _ in range(max_num_seqs)]
     if 2 * max_num_seqs <= planned:
         assert cuda_graphs.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
+
+
+def test_the_graphable_backends_by_name_are_the_ones_that_capture():
+    """The memory plan reserves a graph pool by backend name (GRAPHABLE_BACKENDS), before any
+    backend is built; the runner captures where the backend is a GraphableBackend."""
+    from engine.attention.cpu_paged import CpuAttentionBackend
+    from engine.attention.triton_attn import TritonAttentionBackend
+
+    backends = {
+        "flash_attn": FlashAttentionBackend(reference_varlen),
+        "triton": TritonAttentionBackend(),
+        "torch": TorchAttentionBackend(),
+        "cpu": CpuAttentionBackend(),
+    }
+    graphable = {n for n, b in backends.items() if isinstance(b, cuda_graphs.GraphableBackend)}
+    assert graphable == set(cuda_graphs.GRAPHABLE_BACKENDS)

@@ -17,6 +17,7 @@ What the interpreter runs: float32 and float16. Not bfloat16: it holds bfloat16 
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -28,12 +29,25 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from engine.attention import triton_attn  # noqa: E402
 from engine.attention.torch_attn import TorchAttentionBackend  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.cuda_graphs import CudaGraphs, GraphableBackend  # noqa: E402
+from engine.models.llama import RotaryEmbedding  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.runner import SeqChunk  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     PAGED_STEPS,
     PagedCase,
     dense_reference,
     make_case,
     request_alone,
+)
+from tests.unit.test_cuda_graphs import (  # noqa: E402
+    NUM_BLOCKS,
+    SIZES,
+    FakeCaptureDevice,
+    _assert_same_kv,
+    _runner,
+    eager,
 )
 
 CPU = torch.device("cpu")
@@ -137,3 +151,40 @@ def test_token_positions_follow_the_layout():
     token_seq, token_pos = triton_attn.token_positions(case.layout)
     assert token_seq.tolist() == [0, 0, 0, 1, 2, 2]
     assert token_pos.tolist() == [0, 1, 2, 5, 9, 10]
+
+
+def test_captured_steps_replay_the_eager_steps(tiny_llama):
+    """CUDA graphs over the Triton backend (its static metadata: padded tokens in a pad row of
+    the block table, writing only the pad block), replayed by a capture device that re-runs
+    the body: the logits and the K/V of every decode and verify step equal the eager Triton
+    step's, and no request's block is touched by padding. The contexts' K/V are random (the
+    same on both sides): what is compared is the step, not the prompt."""
+    cfg = ModelConfig.from_path(tiny_llama)
+    rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, 512, CPU)
+    parts = (cfg, load_model(cfg, torch.float32, CPU), rope)
+    backend = triton_attn.TritonAttentionBackend()
+    assert isinstance(backend, GraphableBackend)
+    ref = _runner(parts, backend, NUM_BLOCKS)
+    graphed = _runner(parts, triton_attn.TritonAttentionBackend(), NUM_BLOCKS + 1)
+    gen = torch.Generator().manual_seed(0)
+    for (k, v), (k_ref, v_ref) in zip(graphed.kv_caches, ref.kv_caches, strict=True):
+        for cache, cache_ref in ((k, k_ref), (v, v_ref)):
+            cache_ref.copy_(torch.randn(cache_ref.shape, generator=gen))
+            cache[:NUM_BLOCKS].copy_(cache_ref)
+    capture = FakeCaptureDevice()
+    graphs = CudaGraphs(graphed, SIZES, capture)
+    rng = random.Random(0)
+    seqs = {"a": (250, [4, 1]), "b": (10, [3]), "c": (40, [5, 0])}  # context, blocks
+    starts = {name: n for name, (n, _) in seqs.items()}
+    for lens in ({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 3, "c": 5}, {"b": 2}, {"a": 5, "c": 2}):
+        chunks = []
+        for name, n in lens.items():
+            ids = [rng.randrange(3, 320) for _ in range(n)]
+            chunks.append(SeqChunk(ids, starts[name], seqs[name][1], n))
+            starts[name] += n
+        replays = sum(g.num_replays for g in capture.graphs)
+        logits = graphs.forward(chunks)
+        assert sum(g.num_replays for g in capture.graphs) == replays + 1, "ran eagerly"
+        expected = eager(ref, chunks)
+        assert torch.equal(logits, expected)  # the same kernel on the same values, row for row
+        _assert_same_kv(graphed, ref)

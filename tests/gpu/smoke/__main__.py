@@ -176,7 +176,7 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
                 config = engine_config(pair, torch.device(device), graphs, **overrides)
                 bench["engines"].append(run_engine(config, workload))
             config = engine_config(
-                pair, torch.device(device), False, batch_invariant=True, **overrides
+                pair, torch.device(device), True, batch_invariant=True, **overrides
             )
             bench["engines"].append(run_engine(config, workload, INVARIANT_CONCURRENCIES))
             head = build_head(Path(tmp), pair, dtype)

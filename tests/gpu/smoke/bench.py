@@ -1,7 +1,8 @@
 """The smoke bench: the GPU preset's engine over a random-weight model of a real shape, at a few
 concurrencies, speculation off and auto, CUDA graphs on and off; then the price of the
-batch-invariant mode (`batch_invariant: true`, no speculation, eager as the Triton attention
-backend runs) at the first two concurrencies, to read against the graphs-off engine's "off" rows;
+batch-invariant mode (`batch_invariant: true`: Triton products, norms and attention; no
+speculation; graphs on) at the first two concurrencies, to read against the first engine's "off"
+rows;
 and a random EAGLE-3 head in mode always with graphs, at the same two.
 
 One engine per graphs setting (`enforce_eager`), built as the preset builds it: KV sized by
