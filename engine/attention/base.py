@@ -73,6 +73,23 @@ def flatten_step(chunks: Sequence[Any], block_size: int) -> FlatStep:
     return FlatStep(layout, token_ids, positions, logit_rows)
 
 
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: slot = block * block_size + offset
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a step's new K/V into their cache slots (no host sync: capturable in a CUDA
+    graph) -> the caches viewed as [num_slots, num_kv_heads, head_dim]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, key)
+    v_flat.index_copy_(0, slot_mapping, value)
+    return k_flat, v_flat
+
+
 class AttentionBackend(Protocol):
     """Paged attention over a flattened batch. Implementations are registered by name."""
 

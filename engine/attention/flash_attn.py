@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import BatchLayout, write_kv
 from engine.device import to_device
 
 PAGE_SIZE_MULTIPLE = 256
@@ -91,9 +91,7 @@ class FlashAttentionBackend:
         metadata: FlashAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         return self._varlen(
             query,
             k_cache,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import BatchLayout, write_kv
 from engine.device import to_device
 
 # Context tokens one layer's gather may hold for a group of requests (of K; as many of V). 128 MiB
@@ -132,11 +132,8 @@ class TorchAttentionBackend:
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, key)
-        v_flat.index_copy_(0, metadata.slot_mapping, value)
+        # [num_slots, num_kv_heads, head_dim] each
+        k_flat, v_flat = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
         for group in metadata.groups:
             rows = slice(group.start, group.end)

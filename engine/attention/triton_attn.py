@@ -6,7 +6,7 @@ decode tokens alike. Each query token attends causally to its request's cached c
 tokens before it in its own chunk (key positions 0 .. its own position, as the torch reference),
 optionally only to the last `sliding_window` of them. K/V are read in place through the block
 table, so nothing is gathered per layer; this step's new K/V are written into their slots with
-`index_copy_` first.
+`write_kv` first.
 
 The grid is (query token, KV head). A program takes the GQA group of query heads that share one
 KV head, [BLOCK_H, head_dim] (the group padded to 16 rows for `tl.dot`), and walks its request's
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import BatchLayout, write_kv
 from engine.device import to_device
 
 # Key positions per tile. Fixed (see "Batch invariance" above): 64 keys x head_dim 128 of K and
@@ -117,7 +117,9 @@ class StaticTritonMetadata:
         self._host = tensors(torch.device("cpu"), pin)
         self._device = tensors(device, False)
 
-    def view(self, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int) -> TritonAttentionMetadata:
+    def view(
+        self, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int
+    ) -> TritonAttentionMetadata:
         """The metadata a graph of `num_tokens` tokens captures: prefixes of the fixed tensors
         (the kernel needs no maximum lengths: each program reads its own token's)."""
         assert 1 <= num_tokens <= self.max_tokens
@@ -193,9 +195,7 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend. `sliding_window`: a query at
         position p sees keys p - sliding_window + 1 .. p only (None: all of 0 .. p)."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window)
 
 
