@@ -22,11 +22,14 @@ def build_tiny_eagle3_head(
     norm_before_residual: bool = False,
     scale: float = 0.08,
     dtype: torch.dtype = torch.bfloat16,
+    layout: str = "specforge",
 ) -> Path:
     """A head for the tiny target saved at `target` (tests/conftest.py build_tiny_model): its
     width, heads and vocabulary; `draft_vocab_size` of the target's ids (every other id from 0,
     then the rest in order: d2t offsets that are not all zero); without an embedding table
-    unless `with_embedding` (then the target's is shared)."""
+    unless `with_embedding` (then the target's is shared). `layout`: "specforge" (SpecForge's
+    export) or "speculators" (vllm-project/speculators': the layer's config nested, the head's
+    fields at the top, tensors under layers.0.)."""
     cfg = json.loads((target / "config.json").read_text())
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -91,7 +94,43 @@ def build_tiny_eagle3_head(
             "eagle_aux_hidden_state_layer_ids": aux_layer_ids,
             "use_aux_hidden_state": True,
         }
+    if layout == "speculators":
+        config, tensors = _speculators_layout(config, tensors)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _speculators_layout(
+    config: dict, tensors: dict[str, torch.Tensor]
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The SpecForge-layout head as vllm-project/speculators saves it."""
+    head_fields = ("draft_vocab_size", "norm_before_residual")
+    layer = {k: v for k, v in config.items() if k not in (*head_fields, "eagle_config")}
+    layer["architectures"] = ["LlamaForCausalLM"]
+    out = {
+        "architectures": ["Eagle3Speculator"],
+        "model_type": "speculators",
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config["draft_vocab_size"],
+        # Stated: the speculators reading defaults it to true.
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "target"},
+        },
+    }
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        out["eagle_aux_hidden_state_layer_ids"] = ids
+    renamed = {
+        ("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+        for k, v in tensors.items()
+    }
+    return out, renamed

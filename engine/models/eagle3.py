@@ -17,6 +17,11 @@ safetensors with exactly these tensors:
     t2d bool [vocab]: which target ids the draft vocabulary holds (not read when serving)
     embed_tokens.weight [vocab, H]: optional; without it the target's embedding is shared
 
+The same head in vllm-project/speculators' layout (architectures `Eagle3Speculator`,
+`speculators_model_type: eagle3`, the layer's fields nested in `transformer_layer_config`,
+`eagle_aux_hidden_state_layer_ids` and the head's flags at the top, tensors under `layers.0.`,
+`norm_before_residual` true unless it says otherwise) is read as vLLM reads it.
+
 The tapped layers are numbered as the engines number them: id j is the residual stream entering
 target layer j (the output of layer j - 1; 0 is the embedding). Default (2, L // 2, L - 3).
 
@@ -48,7 +53,15 @@ HEAD_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 # Keys other than these in config.json change the forward in ways this loader does not know; a
 # head that sets one to a value other than its default is refused rather than served wrong.
-_UNSUPPORTED_FLAGS = {"fc_norm": False, "mlp_bias": False}
+_UNSUPPORTED_FLAGS = {"fc_norm": False, "mlp_bias": False, "norm_before_fc": False,
+                      "norm_output": False}  # fmt: skip
+# vllm-project/speculators' layout of the same head: architectures ["Eagle3Speculator"] (or
+# its draft model's class), `speculators_model_type: eagle3`, the decoder layer's Llama fields
+# nested in `transformer_layer_config`, the head's own fields at the top (the tapped layers as
+# `eagle_aux_hidden_state_layer_ids`), tensors under `layers.0.` rather than `midlayer.`.
+SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
+_SPECULATORS_FIELDS = ("draft_vocab_size", "target_hidden_size", "norm_before_residual",
+                       *_UNSUPPORTED_FLAGS)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], path: Path | None = None) -> Eagle3Config:
         where = f"EAGLE-3 head {path}" if path else "EAGLE-3 head"
+        raw = _from_speculators(raw, where)
         archs = list(raw.get("architectures") or [])
         if not any(a in HEAD_ARCHITECTURES for a in archs):
             raise ValueError(
@@ -178,6 +192,32 @@ class Eagle3Config:
             eos_token_ids=target.eos_token_ids,
             hf_config=hf,
         )
+
+
+def _from_speculators(raw: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """A speculators-layout config.json as the SpecForge layout says the same head (vLLM's
+    reading: `norm_before_residual` defaults to true there); any other config as it is."""
+    archs = list(raw.get("architectures") or [])
+    if raw.get("speculators_model_type") is None and not any(
+        a in SPECULATORS_ARCHITECTURES for a in archs
+    ):
+        return raw
+    if raw.get("speculators_model_type") not in (None, "eagle3"):
+        raise ValueError(
+            f"{where}: speculators_model_type {raw['speculators_model_type']!r} is not an "
+            "EAGLE-3 head (expected 'eagle3')."
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, Mapping):
+        raise ValueError(f"{where}: a speculators config needs transformer_layer_config.")
+    flat = {k: v for k, v in layer.items() if k not in ("architectures", "eagle_config")}
+    flat.update({k: raw[k] for k in _SPECULATORS_FIELDS if raw.get(k) is not None})
+    flat.setdefault("norm_before_residual", True)
+    flat["architectures"] = [HEAD_ARCHITECTURES[0]]
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids)}
+    return flat
 
 
 class Eagle3Layer(nn.Module):

@@ -260,3 +260,43 @@ def test_a_q8_0_head_drafts_and_output_stays_greedy(tmp_path, target):
     head_module = quant.engine.speculator.chain[0].head
     assert quant.engine.draft_runner.quantization == "gguf (Q8_0)"
     assert head_module.lm_head.qtypes == (8,)
+
+
+def test_the_speculators_layout_reads_as_the_same_head(tmp_path, target):
+    """vllm-project/speculators' layout (the layer's config nested, the taps and flags at the
+    top, tensors under layers.0.) of the same tensors: the same head config, the same drafts
+    and accepted counts, the same greedy output."""
+    specforge = _head(tmp_path / "a", target, dtype=torch.float32, draft_vocab_size=200)
+    speculators = _head(
+        tmp_path / "b", target, dtype=torch.float32, draft_vocab_size=200, layout="speculators"
+    )
+    raw = json.loads((speculators / "config.json").read_text())
+    assert "transformer_layer_config" in raw and "hidden_size" not in raw
+    assert all(k.startswith("layers.0.") for k in load_file(speculators / "model.safetensors")
+               if "_proj" in k or "layernorm" in k or "hidden_norm" in k)  # fmt: skip
+    a, b = Eagle3Config.from_path(specforge), Eagle3Config.from_path(speculators)
+    fields = [f for f in a.__dataclass_fields__ if f not in ("path", "raw")]
+    assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+    assert b.aux_layer_ids == tuple(TAPS) and not b.norm_before_residual
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 17, 42, 99, 5, 230, 64, 7], [9, 9, 31, 4]]
+    results = []
+    for head in (specforge, speculators):
+        llm = _llm(target, head)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.spec_stats
+        results.append((tokens, stats.num_draft_tokens, stats.num_accepted_tokens))
+    assert results[0] == results[1] and results[0][1] > 0
+
+
+def test_the_speculators_layouts_own_defaults_and_refusals(tmp_path, target):
+    head = _head(tmp_path, target, dtype=torch.float32, layout="speculators")
+    raw = json.loads((head / "config.json").read_text())
+    del raw["norm_before_residual"]  # vLLM reads a speculators head without it as true
+    assert Eagle3Config.from_dict(raw).norm_before_residual
+    with pytest.raises(ValueError, match="norm_before_fc=True is not supported"):
+        Eagle3Config.from_dict({**raw, "norm_before_fc": True})
+    with pytest.raises(ValueError, match="speculators_model_type 'eagle' is not an EAGLE-3"):
+        Eagle3Config.from_dict({**raw, "speculators_model_type": "eagle"})
+    with pytest.raises(ValueError, match="needs transformer_layer_config"):
+        Eagle3Config.from_dict({k: v for k, v in raw.items() if k != "transformer_layer_config"})
