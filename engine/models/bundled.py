@@ -355,16 +355,16 @@ def _has_saved_chat_template(out_dir: Path) -> bool:
 
 def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
     """The chat template and end-of-generation ids recorded in a GGUF file."""
-    from gguf import GGUFReader
+    from engine.models.gguf import open_gguf
 
-    fields = GGUFReader(str(gguf_path)).fields
-    template = fields.get("tokenizer.chat_template")
+    metadata = open_gguf(gguf_path).metadata
+    template = metadata.get("tokenizer.chat_template")
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        field = fields.get(f"tokenizer.ggml.{key}")
-        if field is not None and int(field.contents()) not in eos_ids:
-            eos_ids.append(int(field.contents()))
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in eos_ids:  # type: ignore[call-overload]
+            eos_ids.append(int(value))  # type: ignore[call-overload]
     return {
-        "chat_template": str(template.contents()) if template is not None else None,
+        "chat_template": str(template) if template is not None else None,
         "eos_token_ids": eos_ids,
     }
