@@ -515,9 +515,12 @@ def head_config_dict(
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
     """config.json of a head for `target` as SpecForge writes one: the target's width, heads and
-    RoPE, one layer, the draft vocabulary's size, and the tapped layers when given."""
+    RoPE (its scaling too: a Llama 3.1 target's llama3 frequencies), one layer, the draft
+    vocabulary's size, and the tapped layers when given."""
     rope = dict(getattr(target.hf_config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta") or getattr(target.hf_config, "rope_theta", None) or 10000.0
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = scaling or dict(getattr(target.hf_config, "rope_scaling", None) or {})
     raw: dict[str, Any] = {
         "architectures": [HEAD_ARCHITECTURES[0]],
         "model_type": "llama",
@@ -538,6 +541,8 @@ def head_config_dict(
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raw["rope_scaling"] = scaling
     if aux_layer_ids is not None:
         raw["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),

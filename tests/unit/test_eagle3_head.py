@@ -300,3 +300,28 @@ def test_the_speculators_layouts_own_defaults_and_refusals(tmp_path, target):
         Eagle3Config.from_dict({**raw, "speculators_model_type": "eagle"})
     with pytest.raises(ValueError, match="needs transformer_layer_config"):
         Eagle3Config.from_dict({k: v for k, v in raw.items() if k != "transformer_layer_config"})
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_made_heads_config_carries_the_targets_rope(tmp_path, scaled):
+    """head_config_dict (what the trainer exports) gives the head the target's RoPE tables: its
+    theta, and a Llama 3.1 target's llama3 scaling (lost, the head would rotate its queries and
+    keys by other angles than it was trained with past the first positions)."""
+    from engine.models.eagle3 import head_config_dict
+    from engine.models.llama import RotaryEmbedding
+
+    rope = {"rope_theta": 500000.0}
+    if scaled:
+        rope["rope_scaling"] = {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        }  # fmt: skip
+    path = build_tiny_model(tmp_path, "llama", max_position_embeddings=512, **rope)
+    target = ModelConfig.from_path(path)
+    raw = json.loads(json.dumps(head_config_dict(target, 100)))  # as written to config.json
+    assert ("rope_scaling" in raw) == scaled
+    head = Eagle3Config.from_dict(raw).as_model_config(target)
+    cpu = torch.device("cpu")
+    ours = RotaryEmbedding(head.hf_config, head.head_dim, 512, cpu)
+    theirs = RotaryEmbedding(target.hf_config, target.head_dim, 512, cpu)
+    assert torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
