@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.models.bundled import resolve_model  # noqa: E402
-from engine.models.eagle3 import head_config_dict  # noqa: E402
 
 logger = logging.getLogger("bench.eagle3_cost")
 
@@ -46,42 +44,13 @@ PROMPT = (
 
 
 def random_head(target: ModelConfig, path: Path, draft_vocab: int, seed: int = 0) -> Path:
-    """A random head for `target` in the published format (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
+    """A random head for `target` in the published format (config.json + model.safetensors,
+    bfloat16): the tests' builder of such heads; its cost does not depend on its values."""
+    from tests.eagle3_heads import build_tiny_eagle3_head
 
-    raw = head_config_dict(target, draft_vocab)
-    h, inter = raw["hidden_size"], raw["intermediate_size"]
-    q = raw["num_attention_heads"] * raw["head_dim"]
-    kv = raw["num_key_value_heads"] * raw["head_dim"]
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device="cpu") * 0.02).to(torch.bfloat16)
-
-    def ones() -> torch.Tensor:
-        return torch.ones(h, dtype=torch.bfloat16, device="cpu")
-
-    tensors = {
-        "fc.weight": rand(h, 3 * target.hidden_size),
-        "midlayer.self_attn.q_proj.weight": rand(q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": rand(h, q),
-        "midlayer.mlp.gate_proj.weight": rand(inter, h),
-        "midlayer.mlp.up_proj.weight": rand(inter, h),
-        "midlayer.mlp.down_proj.weight": rand(h, inter),
-        "midlayer.input_layernorm.weight": ones(),
-        "midlayer.hidden_norm.weight": ones(),
-        "midlayer.post_attention_layernorm.weight": ones(),
-        "norm.weight": ones(),
-        "lm_head.weight": rand(draft_vocab, h),
-        "d2t": torch.zeros(draft_vocab, dtype=torch.int64, device="cpu"),
-        "t2d": torch.arange(target.vocab_size, device="cpu") < draft_vocab,
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    return path
+    return build_tiny_eagle3_head(
+        path, target.path, seed=seed, draft_vocab_size=draft_vocab, scale=0.02
+    )
 
 
 def measure(engine_args: dict[str, Any], spec: dict[str, Any], tokens: int) -> dict[str, Any]:
