@@ -208,6 +208,8 @@ def open_gguf(path: Path) -> GgufFile:
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (magic {magic!r}).")
     if version not in (2, 3):
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+            raise ValueError(f"{path} is a big-endian GGUF file: only little-endian is read.")
         raise ValueError(f"{path}: GGUF version {version} is not read (2 and 3 are).")
     num_tensors, num_fields = take("QQ")
     metadata: dict[str, object] = {}

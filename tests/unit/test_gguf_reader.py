@@ -81,3 +81,7 @@ def test_what_is_not_a_gguf_file_is_named(tmp_path):
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(60))
     with pytest.raises(ValueError, match="GGUF version 1 is not read"):
         open_gguf(old)
+    swapped = tmp_path / "be.gguf"
+    swapped.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(60))
+    with pytest.raises(ValueError, match="big-endian GGUF file"):
+        open_gguf(swapped)
