@@ -63,32 +63,34 @@ class _SelfAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [m, 2H]
-        cos: torch.Tensor,  # [m, head_dim]
-        sin: torch.Tensor,  # [m, head_dim]
-        keys: list[torch.Tensor],  # per earlier step [heads, m, head_dim]; this step's appended
-        values: list[torch.Tensor],
+        x: torch.Tensor,  # [r, 2H] the rows of this step (positions `positions`)
+        cos: torch.Tensor,  # [r, head_dim]
+        sin: torch.Tensor,  # [r, head_dim]
+        keys: list[torch.Tensor],  # step 0's [heads, m, head_dim], then each later step's
+        values: list[torch.Tensor],  # [heads, r, head_dim] at these rows; this step's appended
+        positions: torch.Tensor,  # [r] sorted head positions of the rows
     ) -> torch.Tensor:
-        m, d = x.shape[0], self.head_dim
+        r, d = x.shape[0], self.head_dim
         group = self.num_heads // self.num_kv_heads
-        q = self.q_proj(x).view(m, self.num_heads, d)
-        k = self.k_proj(x).view(m, self.num_kv_heads, d)
-        v = self.v_proj(x).view(m, self.num_kv_heads, d)
+        q = self.q_proj(x).view(r, self.num_heads, d)
+        k = self.k_proj(x).view(r, self.num_kv_heads, d)
+        v = self.v_proj(x).view(r, self.num_kv_heads, d)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
         # GQA: query head j reads kv head j // group, as the paged backends do.
-        keys.append(k.repeat_interleave(group, dim=1).transpose(0, 1))  # [heads, m, d]
+        keys.append(k.repeat_interleave(group, dim=1).transpose(0, 1))  # [heads, r, d]
         values.append(v.repeat_interleave(group, dim=1).transpose(0, 1))
-        q = q.transpose(0, 1) * d**-0.5  # [heads, m, d]
-        scores = q @ keys[0].transpose(1, 2)  # [heads, m, m]
-        causal = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
+        q = q.transpose(0, 1) * d**-0.5  # [heads, r, d]
+        m = keys[0].shape[1]
+        scores = q @ keys[0].transpose(1, 2)  # [heads, r, m]
+        causal = torch.arange(m, device=x.device)[None, :] <= positions[:, None]  # [r, m]
         scores = scores.masked_fill(~causal, float("-inf"))
-        diagonal = [(q * k_j).sum(-1, keepdim=True) for k_j in keys[1:]]  # each [heads, m, 1]
+        diagonal = [(q * k_j).sum(-1, keepdim=True) for k_j in keys[1:]]  # each [heads, r, 1]
         probs = torch.softmax(torch.cat([scores, *diagonal], dim=-1).float(), dim=-1)
-        out = probs[..., :m] @ values[0]  # [heads, m, d]
+        out = probs[..., :m] @ values[0]  # [heads, r, d]
         for j, v_j in enumerate(values[1:]):
             out = out + probs[..., m + j, None] * v_j
-        return self.o_proj(out.transpose(0, 1).reshape(m, self.num_heads * d))
+        return self.o_proj(out.transpose(0, 1).reshape(r, self.num_heads * d))
 
 
 class _MLP(nn.Module):
@@ -113,9 +115,9 @@ class _MidLayer(nn.Module):
         self.hidden_norm = _RMSNorm(h, eps)
         self.post_attention_layernorm = _RMSNorm(h, eps)
 
-    def forward(self, embeds, hidden, cos, sin, keys, values) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, keys, values, positions) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        y = hidden + self.self_attn(x, cos, sin, keys, values)
+        y = hidden + self.self_attn(x, cos, sin, keys, values, positions)
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
@@ -187,25 +189,40 @@ def _shift(x: torch.Tensor, i: int, fill: float | bool | int) -> torch.Tensor:
     return torch.cat((x[i:], pad))
 
 
+@dataclass(frozen=True)
+class TTTStep:
+    """One unrolled step: the head positions it computed and its pre-norm outputs there."""
+
+    positions: torch.Tensor  # [r] int64, sorted
+    hidden: torch.Tensor  # [r, H]
+
+
 def ttt_unroll(
     head: TrainableEagle3Head,
     aux: torch.Tensor,  # [m, n_aux * H_target] the target's taps at head positions 0 .. m - 1
     tokens: torch.Tensor,  # [m] the token each position feeds at step 0 (token t + 1)
     ttt_length: int,
-) -> Iterator[torch.Tensor]:
-    """The head's draft-vocabulary logits [m, draft_vocab] of each unrolled step in turn: step i
-    feeds token t + 1 + i (0 past the end) and the previous step's pre-norm output."""
+    live: torch.Tensor | None = None,  # [r] sorted positions steps >= 1 compute (None: all)
+) -> Iterator[TTTStep]:
+    """Each unrolled step in turn: step i feeds token t + 1 + i (0 past the end) and the previous
+    step's pre-norm output. Step 0 runs at every position (its keys are every later query's
+    context); a later step at position t reads only step 0's keys and its own chain at t, so
+    positions whose later steps are never scored (a prompt's, short of its end) may be left
+    out of them: `live`."""
     m = len(tokens)
     if m + ttt_length > len(head.rope_cos):
         raise ValueError(f"{m} positions and {ttt_length} steps exceed the RoPE table.")
+    positions = torch.arange(m, device=tokens.device)
     hidden = head.fc(aux.float())  # [m, H]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(ttt_length):
-        embeds = F.embedding(_shift(tokens, i, 0), head.embedding)  # [m, H]
-        cos, sin = head.rope_cos[i : i + m], head.rope_sin[i : i + m]
-        hidden = head.midlayer(embeds, hidden, cos, sin, keys, values)  # [m, H] pre-norm
-        yield head.lm_head(head.norm(hidden))
+        if i == 1 and live is not None:
+            positions, hidden = live, hidden[live]
+        embeds = F.embedding(_shift(tokens, i, 0)[positions], head.embedding)  # [r, H]
+        cos, sin = head.rope_cos[positions + i], head.rope_sin[positions + i]
+        hidden = head.midlayer(embeds, hidden, cos, sin, keys, values, positions)  # pre-norm
+        yield TTTStep(positions, hidden)
 
 
 def ttt_loss(
@@ -215,27 +232,39 @@ def ttt_loss(
     ttt_length: int,
     decay: float = 0.8,
 ) -> TTTResult:
-    """The training-time-test loss of one sequence (see the module's docstring)."""
+    """The training-time-test loss of one sequence (see the module's docstring). Only what a
+    counted position needs is computed: the LM heads (the head's and the target's) at the
+    counted rows of each step, later steps at the positions some later step counts."""
     m = len(feats.token_ids) - 1  # head positions t = 0 .. n - 2 (each needs token t + 1)
     # Row j of these is about the target's position j + 1 (token j + 2); step i reads row t + i.
     with torch.no_grad():
-        target_logits = feats.hidden[1:].float() @ lm_rows.T  # [m, draft_vocab]
-        target_probs = torch.softmax(target_logits, dim=-1)  # renormalised over the draft vocab
         target_draft = head.target_to_draft[feats.target_ids[1:]]  # [m], -1 off the vocab
         counts = torch.cat((feats.loss_mask[2:], feats.loss_mask.new_zeros(1))) & (
             target_draft >= 0
         )  # [m]
-    total = target_logits.new_zeros(())
+        counted = counts.nonzero().squeeze(1)  # [c] the rows any step is scored against
+        target_logits = feats.hidden[1:][counted].float() @ lm_rows.T  # [c, draft_vocab]
+        target_probs = torch.softmax(target_logits, dim=-1)  # renormalised over the draft vocab
+        slot = torch.full((m,), -1, dtype=torch.int64, device=counts.device)
+        slot[counted] = torch.arange(len(counted), device=counts.device)  # row -> its probs
+        later = torch.zeros_like(counts)
+        for i in range(1, ttt_length):
+            later |= _shift(counts, i, False)
+        live = later.nonzero().squeeze(1)  # positions some step >= 1 scores
+    total = feats.hidden.new_zeros((), dtype=torch.float32)
     losses, hits, num = [], [], []
-    steps = ttt_unroll(head, feats.aux[:m], feats.token_ids[1:], ttt_length)
-    for i, logits in enumerate(steps):
-        mask = _shift(counts, i, False)  # [m]
-        p = _shift(target_probs, i, 0.0)  # [m, draft_vocab]
-        per_position = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [m]
-        count = int(mask.sum())
-        loss = (per_position * mask).sum() / max(count, 1)
+    for i, step in enumerate(
+        ttt_unroll(head, feats.aux[:m], feats.token_ids[1:], ttt_length, live)
+    ):
+        mask = _shift(counts, i, False)[step.positions]  # [r]
+        rows = step.positions[mask] + i  # [k] the target rows these are scored against
+        logits = head.lm_head(head.norm(step.hidden[mask]))  # [k, draft_vocab]
+        p = target_probs[slot[rows]]  # [k, draft_vocab]
+        per_position = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [k]
+        count = len(rows)
+        loss = per_position.sum() / max(count, 1)
         total = total + decay**i * loss
-        hit = (logits.argmax(-1) == _shift(target_draft, i, -1)) & mask
+        hit = logits.argmax(-1) == target_draft[rows]
         losses.append(float(loss.detach()))
         hits.append(int(hit.sum()))
         num.append(count)

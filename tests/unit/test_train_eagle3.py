@@ -207,7 +207,10 @@ def test_served_head_computes_what_the_trainer_trained(trained, target):
     n = len(ids)
     k = n - 3  # head positions 0 .. k - 1 extended, then one chained step at position k
     with torch.no_grad():
-        step0, step1 = list(ttt_unroll(ours, aux[: n - 1], ids[1:], 2))
+        step0, step1 = (
+            ours.lm_head(ours.norm(step.hidden))
+            for step in ttt_unroll(ours, aux[: n - 1], ids[1:], 2)
+        )
     served, runner = engine.draft_runner.model, engine.draft_runner
     assert engine.block_manager.allocate_slots("check", n)
     table = engine.block_manager.get_block_table("check")
@@ -220,6 +223,56 @@ def test_served_head_computes_what_the_trainer_trained(trained, target):
         torch.testing.assert_close(
             served.compute_logits(chained), step1[k - 1 : k], atol=2e-4, rtol=0
         )
+
+
+@pytest.mark.parametrize("ttt_length", [1, 3])
+def test_the_loss_computes_only_what_counted_positions_need(trained, target, ttt_length):
+    """ttt_loss leaves out the LM heads at uncounted rows and later steps at positions no later
+    step scores (a prompt's): its loss, per-step figures and gradients equal those of every
+    step at every position, scored where the position counts."""
+    from engine.training.eagle3_data import SequenceFeatures
+    from engine.training.eagle3_head import _shift, ttt_loss
+
+    result, _, out = trained
+    llm = LLM(**_engine(target))
+    raw = json.loads((result.head_dir / "config.json").read_text())
+    used = json.loads((out / "vocab.json").read_text())
+    model, config = llm.engine.runner.model, llm.engine.model_config
+    shard = torch.load(out / "features" / "shard-00000.pt", weights_only=True)["sequences"]
+    for stored in shard[:3]:
+        feats = SequenceFeatures(**{k: stored[k] for k in SequenceFeatures.__dataclass_fields__})
+        feats = SequenceFeatures(**{**feats.__dict__, "aux": feats.aux.float()})
+        lm_rows = torch.randn(
+            len(used), config.hidden_size, generator=torch.Generator().manual_seed(0)
+        )
+        fast = make_head(model, config, raw, used, 64, torch.device("cpu"))
+        full = make_head(model, config, raw, used, 64, torch.device("cpu"))
+        full.load_state_dict(fast.state_dict())
+        got = ttt_loss(fast, feats, lm_rows, ttt_length)
+        got.loss.backward()
+        # The reference: every step at every position, scored where the position counts.
+        m = len(feats.token_ids) - 1
+        target_probs = torch.softmax(feats.hidden[1:].float() @ lm_rows.T, dim=-1)
+        target_draft = full.target_to_draft[feats.target_ids[1:]]
+        counts = torch.cat((feats.loss_mask[2:], feats.loss_mask.new_zeros(1))) & (
+            target_draft >= 0
+        )
+        total, losses, hits = 0.0, [], []
+        for i, step in enumerate(ttt_unroll(full, feats.aux[:m], feats.token_ids[1:], ttt_length)):
+            logits = full.lm_head(full.norm(step.hidden))
+            mask = _shift(counts, i, False)
+            per = -(_shift(target_probs, i, 0.0) * torch.log_softmax(logits, dim=-1)).sum(-1)
+            loss = (per * mask).sum() / max(int(mask.sum()), 1)
+            total = total + 0.8**i * loss
+            losses.append(float(loss.detach()))
+            hits.append(int(((logits.argmax(-1) == _shift(target_draft, i, -1)) & mask).sum()))
+        total.backward()
+        assert got.step_counts == [int(_shift(counts, i, False).sum()) for i in range(ttt_length)]
+        assert got.step_hits == hits
+        assert got.step_losses == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        for (name, a), b in zip(fast.named_parameters(), full.parameters(), strict=True):
+            if a.grad is not None or b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_resume_ends_where_a_straight_run_ends(trained, target, tmp_path):
