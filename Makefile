@@ -44,10 +44,11 @@ test: $(VENV)/.installed
 # against), trained on this machine's CPU into the cache, never into git: HEAD_PROMPTS prompts the
 # project ships (code tasks over the standard library's functions, open-chat questions;
 # engine/training/prompts.py), answered by the target itself, their features made by the target,
-# then HEAD_STEPS training steps of HEAD_TTT unrolled head steps. On a 2-core AVX2 host: about an
-# hour of generation and an hour of features for 400 prompts, then ~7 s a step (a 317-token
-# sequence, TTT 3; 17 s at SpecForge's TTT 7). Stopped, the same command resumes where it
-# stopped (responses, feature shards and checkpoints are kept); a larger HEAD_STEPS trains on.
+# then HEAD_STEPS training steps of HEAD_TTT unrolled head steps. On a 2-core AVX2 host: about
+# 100 minutes of generation and an hour of features for 400 prompts, then up to 12 s a step (a
+# 317-token sequence, TTT 3; 27 s at SpecForge's TTT 7; measured beside other work). Stopped, the
+# same command resumes where it stopped (responses, feature shards and checkpoints are kept); a
+# larger HEAD_STEPS trains on.
 HEAD_TARGET ?= qwen2.5-coder-1.5b-instruct
 HEAD_DIR ?= $(HOME)/.cache/specserve/heads/$(HEAD_TARGET)
 HEAD_PROMPTS ?= 400
