@@ -46,12 +46,12 @@ def layer_kernels(x: torch.Tensor) -> Any | None:
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32."""
 
+    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"))
         self.eps = eps
-
-    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
@@ -238,11 +238,11 @@ def invariant_kernels() -> Any:
 
 
 def enable_batch_invariant(model: nn.Module) -> None:
-    """Switch every product and norm of `model` to the batch-invariant Triton kernels (the
-    GPU's `batch_invariant` mode; the CPU kernels are batch-invariant already). Everything else
-    in a forward works per element or per row (embedding, RoPE, SwiGLU, residuals) or is the
-    attention backend, which the engine's configuration has made the Triton one. A module this
-    function does not know how to switch is an error, so none is left behind by a new layer."""
+    """Switch every product, norm and SwiGLU of `model` to the batch-invariant Triton kernels
+    (the GPU's `batch_invariant` mode; the CPU kernels are batch-invariant already). Everything
+    else in a forward works per element (embedding, RoPE, residuals) or is the attention
+    backend, which the engine's configuration has made the Triton one. A module this function
+    does not know how to switch is an error, so none is left behind by a new layer."""
     for name, module in model.named_modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             raise ValueError(f"{name}: GGUF blocks have no batch-invariant GPU kernel.")
@@ -396,12 +396,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection."""
 
+    batch_invariant = False  # silu(gate) * up in the GPU's batch-invariant mode
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
-
-    batch_invariant = False  # the GPU's batch-invariant mode (enable_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
