@@ -122,6 +122,7 @@ def train(config: TrainConfig, engine_kwargs: Mapping[str, Any]) -> TrainResult:
     kwargs = dict(engine_kwargs)
     kwargs.pop("speculative_config", None)  # the target alone makes the data
     kwargs["enable_prefix_caching"] = False  # features run over free blocks (load_features)
+    kwargs["enforce_eager"] = True  # features are recorded while generating (FeatureRecorder)
     kwargs.setdefault("max_model_len", config.max_seq_len)
     llm = LLM(**kwargs)
     target = llm.engine.model_config
@@ -165,6 +166,8 @@ def _prepare_data(
         config.max_seq_len,
         config.temperature,
         config.seed,
+        taps,
+        config.out / "features",
     )
     if not sequences:
         raise ValueError(f"{config.prompts}: no sequence with a response to train on.")

@@ -275,6 +275,45 @@ def test_the_loss_computes_only_what_counted_positions_need(trained, target, ttt
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_features_recorded_while_generating_are_the_feature_pass_bits(target, tmp_path):
+    """The taps, final hidden states and argmaxes recorded while the target generates (prompt
+    chunks beside decodes, 16-token steps) are bit for bit what running the target over each
+    finished sequence gives, at every position training reads; load_features takes them and
+    runs the target over none of these sequences."""
+    from engine.training import eagle3_data
+    from engine.training.eagle3_data import Example, make_sequences, sequence_features
+
+    llm = LLM(**{**_engine(target), "enable_prefix_caching": False})
+    taps = (1, 2, 3)
+    examples = [Example(tuple(p)) for p in _prompts(3, 6)]
+    features = tmp_path / "features"
+    seqs = make_sequences(llm, examples, tmp_path / "seqs.jsonl", 12, 64, 0.0, 0, taps, features)
+    assert len(seqs) == 6 and len(list((features / "recorded").glob("*.pt"))) == 6
+    engine = llm.engine
+    for seq in seqs:
+        recorded = torch.load(eagle3_data._recorded_file(features, seq), weights_only=True)
+        passed = sequence_features(engine.runner, engine.block_manager, seq, taps, 16)
+        n, p = len(seq.token_ids), seq.num_prompt_tokens
+        assert torch.equal(recorded["token_ids"], passed["token_ids"])
+        assert torch.equal(recorded["loss_mask"], passed["loss_mask"])
+        for key in ("aux", "hidden"):  # the last token is never fed while generating
+            assert torch.equal(recorded[key][: n - 1], passed[key][: n - 1]), key
+        assert torch.equal(
+            recorded["target_ids"][p - 1 : n - 1], passed["target_ids"][p - 1 : n - 1]
+        )
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the target ran over a recorded sequence")
+
+    original = eagle3_data.sequence_features
+    eagle3_data.sequence_features = no_pass
+    try:
+        loaded = eagle3_data.load_features(llm, seqs, taps, features, 4)
+    finally:
+        eagle3_data.sequence_features = original
+    assert len(loaded) == 6 and not list((features / "recorded").glob("*.pt"))
+
+
 def test_resume_ends_where_a_straight_run_ends(trained, target, tmp_path):
     _, prompts, out = trained
     runs = {}
