@@ -98,10 +98,11 @@ def test_every_positions_logits_are_the_same_in_every_step_shape(llm):
     check_step_shapes(llm)
 
 
-def check_step_shapes(llm: LLM) -> None:
+def check_step_shapes(llm: LLM, token_by_token: bool = True) -> None:
     """One sequence's logits, every position, through many step shapes: bit-equal to the
     sequence computed in one chunk. The LLM must be idle, with at least 3 * ceil(40 / block
-    size) KV blocks."""
+    size) KV blocks. `token_by_token` False leaves out the 40 one-token steps (one-token rows
+    are in the other shapes too) where a forward is dear (Triton's interpreter)."""
     assert llm.engine.block_manager.num_used_blocks == 0  # the runner's blocks are ours here
     block_size = llm.engine.config.block_size
     a, b, c = (_Seq(i, i, block_size) for i in range(3))
@@ -120,6 +121,8 @@ def check_step_shapes(llm: LLM) -> None:
             [(b, 32, 33), (a, 33, 40)],
         ],
     }
+    if not token_by_token:
+        del shapes["token by token"]
     for what, steps in shapes.items():
         assert torch.equal(_logits(llm, steps, a), reference), what
 

@@ -166,4 +166,4 @@ def test_the_model_runs_every_product_and_norm_through_the_kernels(invariant_llm
 
 
 def test_every_positions_logits_are_the_same_in_every_step_shape(invariant_llm):
-    check_step_shapes(invariant_llm)
+    check_step_shapes(invariant_llm, token_by_token=False)
