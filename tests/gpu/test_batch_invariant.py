@@ -67,12 +67,11 @@ def _llm(gpu_target, device, dtype: str, batch_invariant: bool, **kwargs) -> LLM
         dtype=dtype,
         batch_invariant=batch_invariant,
         block_size=16,
-        num_kv_blocks=64,
         max_model_len=256,
         enable_prefix_caching=False,
     )
     settings.update(kwargs)
-    return LLM(str(gpu_target), **settings)
+    return LLM(str(gpu_target), num_kv_blocks=64, **settings)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
