@@ -7,9 +7,6 @@ switch does not know is an error. The kernels' own checks run in Triton's interp
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ from engine.models.llama import MLP, Linear, RMSNorm, enable_batch_invariant
 from engine.runner import ModelRunner
 from tests.gguf_models import build_tiny_gguf_model
 from tests.unit.test_config import cpu_node, fake_cuda_node
-from tests.unit.test_triton_attn import needs_triton
+from tests.unit.test_triton_attn import needs_triton, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("triton_invariant_interpreted.py")
@@ -31,13 +28,7 @@ CHECKS = Path(__file__).with_name("triton_invariant_interpreted.py")
 
 @needs_triton
 def test_the_kernel_checks_pass_in_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    report = run.stdout[-8000:] + run.stderr[-2000:]
-    assert run.returncode == 0, report
-    summary = run.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, report
+    run_interpreted(CHECKS)
 
 
 def test_on_cuda_it_takes_the_triton_attention_even_where_flash_attn_is_installed(monkeypatch):

@@ -26,16 +26,23 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-@needs_triton
-def test_the_kernel_checks_pass_in_the_triton_interpreter():
+def run_interpreted(checks: Path, timeout: int = 900) -> None:
+    """Run the pytest file `checks` in a subprocess under TRITON_INTERPRET=1: it passes, and
+    every check ran (none skipped: a skip would mean the interpreter was not on)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)]
+    run = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     report = run.stdout[-8000:] + run.stderr[-2000:]
     assert run.returncode == 0, report
     summary = run.stdout.strip().splitlines()[-1]
-    # Every check ran: none skipped (a skip would mean the interpreter was not on).
     assert " passed" in summary and "skipped" not in summary, report
+
+
+@needs_triton
+def test_the_kernel_checks_pass_in_the_triton_interpreter():
+    run_interpreted(CHECKS)
 
 
 def test_the_registry_declares_triton_for_cuda():
