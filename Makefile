@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: install run generate test gpu-test gpu-smoke gpu-wheels lint lint-deploy bench bench-policy \
-	bench-peers bench-reliability bench-grammar bench-structured eagle3-head clean
+	bench-peers bench-reliability bench-grammar bench-structured bench-drafters eagle3-head clean
 
 # The venv: torch's CPU build, the project with its test and dev extras, SmolLM2 with the dense
 # checkpoint the tests read, and our CPU kernels compiled once (a minute or more on 2 cores)
@@ -158,6 +158,13 @@ bench-grammar: $(VENV)/.models $(VENV)/.bench
 # Writes bench/results/structured.json. ARGS=--smoke: SmolLM2-135M, two cases, 192 tokens.
 bench-structured: $(VENV)/.models
 	$(PY) bench/structured.py $(ARGS)
+
+# The drafters side by side on the default deployment: off, n-gram, the 0.5B draft model and the
+# head `make eagle3-head` trained (Q8_0 blocks), mode auto, at 1, 4 and 16 requests in flight on
+# code edits, copying and open chat — tokens/s, mean acceptance length, answers equal to off's
+# (bench/drafters.py; about 40 min on 2 CPU cores). Writes bench/results/drafters.json.
+bench-drafters: $(VENV)/.models
+	$(PY) bench/drafters.py --head $(HEAD_DIR)/head $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'

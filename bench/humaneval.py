@@ -339,7 +339,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[HumanEvalSettings, ar
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer's tests")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--out", default="bench/results/humaneval.json")
+    parser.add_argument(
+        "--out", default=None, help="default bench/results/humaneval.json (--smoke: its own file)"
+    )
     parser.add_argument("--smoke", action="store_true", help="SmolLM2-135M, 3 problems")
     args = parser.parse_args(argv)
     config_path = SMOKE["config"] if args.smoke else args.config
@@ -347,7 +349,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[HumanEvalSettings, ar
     if args.smoke:
         config["engine"]["speculative_config"] = SMOKE["speculative_config"]
         args.num_problems, args.max_tokens = SMOKE["num_problems"], SMOKE["max_tokens"]
-        args.out = SMOKE["out"]
+        args.out = args.out or SMOKE["out"]
+    args.out = args.out or "bench/results/humaneval.json"
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if not modes or args.num_problems < 1 or args.concurrency < 1:
         parser.error("needs at least one mode, one problem and one client")

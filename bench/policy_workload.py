@@ -4,7 +4,8 @@ Workloads (WORKLOADS, by name): code_edit, a function to rewrite with one small 
 back (the answer copies most of the prompt, where n-gram drafts shine); open_chat, free-text
 questions (where drafts are often wrong); mixed, the two interleaved (the default); code_gen, a
 signature and docstring to complete, as in HumanEval (new code: drafts have less to copy than in a
-code edit, more than in chat). Request i of a level gets prompt i mod len(workload), so every mode
+code edit, more than in chat); copy, a passage to repeat word for word and sum up (bench/drafters.py
+uses it; the policy bench does not). Request i of a level gets prompt i mod len(workload), so every mode
 sees the same requests in the same order.
 
 Measurements: per request the arrival time of every streamed token (the server is started with
@@ -104,6 +105,32 @@ OPEN_CHAT = (
     "Compare learning the piano and learning the guitar as an adult.",
     "What are the pros and cons of working from home?",
     "How do noise-cancelling headphones work?",
+)
+
+# Passages to repeat word for word and then sum up (the answer copies the prompt nearly whole:
+# lookup's best case, and the test of whether a model drafter keeps up with it).
+PASSAGES = (
+    "The old mill by the river ground wheat for the village for almost two hundred years. Its "
+    "wheel was turned by water channelled from a weir upstream, and in dry summers the miller "
+    "worked at night, when the farms took less water from the stream. After a flood broke the "
+    "weir in 1911 the mill ran on a steam engine, and later on electricity, until it closed in "
+    "1968. Volunteers restored the wheel in the 1990s, and on the first Sunday of each month it "
+    "turns again and grinds flour that is sold in the shop next door.",
+    "Octopuses have three hearts and blue blood. Two of the hearts pump blood through the gills, "
+    "and the third pumps it around the rest of the body; that one stops beating while the "
+    "animal swims, which is one reason octopuses prefer crawling. Their blood carries oxygen "
+    "with a copper-based protein called haemocyanin, which works better than iron-based "
+    "haemoglobin in cold water with little oxygen, but less well in warm water.",
+    "To reset the router, first unplug it from the wall and wait thirty seconds. Plug it back "
+    "in and wait until the power light stops blinking, which takes about two minutes. If the "
+    "internet light stays red, press and hold the reset button on the back with a paper clip "
+    "for ten seconds; this restores the factory settings, so you will need to set the network "
+    "name and password again from the label on the bottom of the router.",
+    "The committee met on Tuesday and agreed three things. The library will open an hour "
+    "earlier on weekdays from the first of March. The budget for new children's books rises by "
+    "ten percent, paid for by closing the photocopying room, which few people use. And the "
+    "reading group that meets in the back room will move to Thursday evenings, so that the room "
+    "is free for homework clubs after school.",
 )
 
 # Functions to complete: a signature and a docstring with an example or two, as in HumanEval (the
@@ -213,6 +240,14 @@ def code_gen_prompts() -> list[str]:
 def open_chat_prompts() -> list[str]:
     """The open chat questions alone."""
     return list(OPEN_CHAT)
+
+
+def copy_prompts() -> list[str]:
+    """Every passage of PASSAGES to repeat word for word, then sum up in one sentence."""
+    return [
+        f"Repeat the following passage word for word, then summarise it in one sentence.\n\n{p}"
+        for p in PASSAGES
+    ]
 
 
 def mixed_prompts() -> list[str]:

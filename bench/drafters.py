@@ -1,0 +1,242 @@
+"""The drafters side by side on one deployment: tokens/s and mean acceptance length of each
+drafter, at each concurrency, on each workload, through the engine (no HTTP), in one run.
+
+Drafters (--drafters): off; ngram; draft_model (the config's draft model: the bundled 0.5B for
+the default 1.5B); eagle3 (the head directory --head, in Q8_0 blocks on the CPU unless
+--head-dtype); ngram+draft_model and ngram+eagle3 (lookup first). Each drafter gets one fresh
+engine of the config, in the policy mode --mode (auto: what a deployment runs; always: the
+drafter's acceptance with the policy out of the way), and runs every workload at every
+concurrency on it: --requests greedy requests (at least c), --max-tokens long, drawn round-robin
+from the workload (bench/policy_workload.py: code_edit, copy, open_chat, code_gen), c held in
+flight, every prompt in the prefix cache first.
+
+Reported per cell: generated tokens/s over the cell, mean acceptance length (tokens a verify step
+emits: accepted drafts + 1, over the steps that verified drafts), the acceptance rate, draft
+seconds per draft token, and how many answers equal speculation-off's token for token (off must
+run first for that).
+
+    python bench/drafters.py --head DIR [--config configs/default.yaml]
+        [--drafters off,ngram,draft_model,eagle3] [--workloads code_edit,copy,open_chat]
+        [--concurrency 1,4,16] [--requests 4] [--max-tokens 96] [--mode auto] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from policy_workload import (  # noqa: E402
+    code_edit_prompts,
+    code_gen_prompts,
+    copy_prompts,
+    open_chat_prompts,
+)
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.outputs import OutputAccumulator  # noqa: E402
+from engine.tokenizer import apply_chat_template  # noqa: E402
+
+logger = logging.getLogger("bench.drafters")
+WORKLOADS = {
+    "code_edit": code_edit_prompts,
+    "copy": copy_prompts,
+    "open_chat": open_chat_prompts,
+    "code_gen": code_gen_prompts,
+}
+DRAFTERS = ("off", "ngram", "draft_model", "eagle3", "ngram+draft_model", "ngram+eagle3")
+
+
+def speculative_config(
+    drafter: str, base: dict[str, Any], head: str | None, head_dtype: str | None, mode: str
+) -> dict[str, Any] | None:
+    """The config's speculative_config turned to one drafter (None: speculation off)."""
+    if drafter == "off":
+        return None
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; one of {', '.join(DRAFTERS)}")
+    spec = {k: v for k, v in base.items() if k not in ("method", "model")}
+    spec.update(method=drafter, mode=mode)
+    if drafter.endswith("draft_model"):
+        spec["model"] = base["model"]
+    elif drafter.endswith("eagle3"):
+        if head is None:
+            raise ValueError(f"{drafter} needs --head")
+        spec["model"] = head
+        if head_dtype:
+            spec["draft_dtype"] = head_dtype
+        else:
+            spec["draft_quantization"] = "q8_0"
+    return spec
+
+
+def run_cell(
+    llm: LLM, prompts: list[list[int]], concurrency: int, num: int, max_tokens: int
+) -> dict[str, Any]:
+    """`num` greedy requests over `prompts`, `concurrency` in flight; counters as deltas."""
+    engine = llm.engine
+    stats = engine.spec_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.draft_time)
+    generated_before = engine.metrics.num_generation_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    pending = list(range(num))
+    answers: dict[int, list[int]] = {}
+    accumulator = OutputAccumulator()
+    steps, start = 0, time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.num_unfinished_requests < concurrency:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i % len(prompts)], params)
+        for out in accumulator.add_step(engine.step()):
+            answers[int(out.request_id)] = list(out.outputs[0].token_ids)
+        steps += 1
+    seconds = time.perf_counter() - start
+    generated = engine.metrics.num_generation_tokens - generated_before
+    drafts, draft_tokens, accepted, draft_time = (
+        now - then
+        for now, then in zip(
+            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.draft_time),
+            before,
+            strict=True,
+        )
+    )
+    return {
+        "tokens": generated,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "steps": steps,
+        "verify_steps_with_drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "draft_seconds_per_draft_token": draft_time / draft_tokens if draft_tokens else None,
+        "answers": [answers[i] for i in range(num)],
+    }
+
+
+def run_drafter(
+    config: dict[str, Any],
+    spec: dict[str, Any] | None,
+    workloads: dict[str, list[str]],
+    levels: list[int],
+    requests: int,
+    max_tokens: int,
+) -> dict[tuple[str, int], dict[str, Any]]:
+    llm = LLM(**config, speculative_config=spec)
+    tokenizer = llm.get_tokenizer()
+    cells = {}
+    for name, texts in workloads.items():
+        prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+        for prompt in prompts:  # every prompt in the prefix cache, as a server's would be
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        for c in levels:
+            cell = run_cell(llm, prompts, c, max(requests, c), max_tokens)
+            logger.info(
+                "%s c=%d: %.2f tok/s, acceptance length %s",
+                name,
+                c,
+                cell["tokens_per_s"],
+                cell["mean_acceptance_length"],
+            )
+            cells[(name, c)] = cell
+    del llm
+    gc.collect()
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--head", help="an EAGLE-3 head directory (for the eagle3 drafters)")
+    parser.add_argument("--head-dtype", help="the head's dtype (default: Q8_0 blocks)")
+    parser.add_argument("--drafters", default="off,ngram,draft_model,eagle3")
+    parser.add_argument("--workloads", default="code_edit,copy,open_chat")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=4, help="per cell (at least c)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--mode", default="auto", choices=["auto", "always"])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "drafters.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = yaml.safe_load(Path(args.config).read_text())["engine"]
+    base = config.pop("speculative_config")
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; one of {', '.join(WORKLOADS)}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if max(levels) > config.get("max_num_seqs", 256):
+        parser.error("a concurrency above the config's max_num_seqs would queue, not run")
+    specs = {
+        d: speculative_config(d, base, args.head, args.head_dtype, args.mode) for d in drafters
+    }
+    workloads = {w: WORKLOADS[w]() for w in names}
+    results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+    for drafter in drafters:
+        logger.info("drafter %s: %s", drafter, specs[drafter])
+        results[drafter] = run_drafter(
+            config, specs[drafter], workloads, levels, args.requests, args.max_tokens
+        )
+    rows = []
+    for drafter, cells in results.items():
+        for (workload, c), cell in cells.items():
+            off = results.get("off", {}).get((workload, c))
+            row = {"drafter": drafter, "workload": workload, "concurrency": c}
+            row.update({k: v for k, v in cell.items() if k != "answers"})
+            if off is not None:
+                row["vs_off"] = cell["tokens_per_s"] / off["tokens_per_s"]
+                row["answers_equal_to_off"] = sum(
+                    a == b for a, b in zip(cell["answers"], off["answers"], strict=True)
+                )
+                row["answers"] = len(cell["answers"])
+            rows.append(row)
+    print_table(rows)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    report = {
+        "host": platform.processor() or platform.machine(),
+        "cpu_isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other",
+        "config": args.config,
+        "head": args.head,
+        "head_weights": args.head_dtype or "q8_0",
+        "mode": args.mode,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "speculative_configs": specs,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'workload':<10} {'c':>3} {'drafter':<18} {'tok/s':>7} {'vs off':>7} "
+        f"{'accept len':>10} {'= off':>6}"
+    )
+    for r in sorted(rows, key=lambda r: (r["workload"], r["concurrency"])):
+        length = r["mean_acceptance_length"]
+        same = f"{r['answers_equal_to_off']}/{r['answers']}" if "answers" in r else ""
+        print(
+            f"{r['workload']:<10} {r['concurrency']:>3} {r['drafter']:<18} "
+            f"{r['tokens_per_s']:>7.2f} {r.get('vs_off', float('nan')):>6.2f}x "
+            f"{'-' if length is None else f'{length:.2f}':>10} {same:>6}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
