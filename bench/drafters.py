@@ -3,27 +3,29 @@ drafter, at each concurrency, on each workload, through the engine (no HTTP), in
 
 Drafters (--drafters): off; ngram; draft_model (the config's draft model: the bundled 0.5B for
 the default 1.5B); eagle3 (the head directory --head, in Q8_0 blocks on the CPU unless
---head-dtype); ngram+draft_model and ngram+eagle3 (lookup first). Each drafter gets one fresh
-engine of the config, in the policy mode --mode (auto: what a deployment runs; always: the
-drafter's acceptance with the policy out of the way), and runs every workload at every
-concurrency on it: --requests greedy requests (at least c), --max-tokens long, drawn round-robin
-from the workload (bench/policy_workload.py: code_edit, copy, open_chat, code_gen), c held in
-flight, every prompt in the prefix cache first.
+--head-dtype); ngram+draft_model and ngram+eagle3 (lookup first). Each drafter gets an engine of
+the config of its own, all held at once, in the policy mode --mode (auto: what a deployment
+runs; always: the drafter's acceptance with the policy out of the way). A cell (a workload at a
+concurrency) runs on every engine in turn, --rounds times with the order rotated, so that a
+host whose speed drifts over minutes (single runs on a shared 2-core host differ by 10%) moves
+every drafter alike: --requests greedy requests (at least c), --max-tokens long, drawn
+round-robin from the workload (bench/policy_workload.py: code_edit, copy, open_chat, code_gen),
+c held in flight, every prompt in each engine's prefix cache first.
 
 Reported per cell: generated tokens/s over the cell, mean acceptance length (tokens a verify step
 emits: accepted drafts + 1, over the steps that verified drafts), the acceptance rate, draft
-seconds per draft token, and how many answers equal speculation-off's token for token (off must
-run first for that).
+seconds per draft token, the policy's decisions by reason, and how many answers equal
+speculation-off's token for token (off must run first for that).
 
     python bench/drafters.py --head DIR [--config configs/default.yaml]
         [--drafters off,ngram,draft_model,eagle3] [--workloads code_edit,copy,open_chat]
-        [--concurrency 1,4,16] [--requests 4] [--max-tokens 96] [--mode auto] [--out FILE]
+        [--concurrency 1,4,16] [--requests 4] [--max-tokens 64] [--rounds 2] [--mode auto]
+        [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import platform
@@ -90,6 +92,7 @@ def run_cell(
     stats = engine.spec_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.draft_time)
     generated_before = engine.metrics.num_generation_tokens
+    decisions_before = dict(engine.policy_stats.decisions)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pending = list(range(num))
     answers: dict[int, list[int]] = {}
@@ -112,6 +115,11 @@ def run_cell(
             strict=True,
         )
     )
+    decisions = {
+        f"{decision}/{reason}": count - decisions_before.get((decision, reason), 0)
+        for (decision, reason), count in engine.policy_stats.decisions.items()
+        if count - decisions_before.get((decision, reason), 0)
+    }
     return {
         "tokens": generated,
         "seconds": seconds,
@@ -123,38 +131,88 @@ def run_cell(
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "draft_seconds_per_draft_token": draft_time / draft_tokens if draft_tokens else None,
+        "decisions": decisions,  # the policy's, per decoding request and step: decision/reason
         "answers": [answers[i] for i in range(num)],
     }
 
 
-def run_drafter(
-    config: dict[str, Any],
-    spec: dict[str, Any] | None,
+def run_interleaved(
+    engines: dict[str, LLM],
     workloads: dict[str, list[str]],
     levels: list[int],
     requests: int,
     max_tokens: int,
-) -> dict[tuple[str, int], dict[str, Any]]:
-    llm = LLM(**config, speculative_config=spec)
-    tokenizer = llm.get_tokenizer()
-    cells = {}
-    for name, texts in workloads.items():
+    rounds: int,
+) -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
+    """Every cell on every drafter's engine in turn, `rounds` times, the order rotated each
+    round, so a host whose speed drifts over minutes moves every drafter alike; a cell's figures
+    add its rounds up."""
+    names = list(engines)
+    results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {d: {} for d in names}
+    for workload, texts in workloads.items():
+        tokenizer = engines[names[0]].get_tokenizer()
         prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-        for prompt in prompts:  # every prompt in the prefix cache, as a server's would be
-            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        for llm in engines.values():  # every prompt in the prefix cache, as a server's would be
+            for prompt in prompts:
+                llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         for c in levels:
-            cell = run_cell(llm, prompts, c, max(requests, c), max_tokens)
-            logger.info(
-                "%s c=%d: %.2f tok/s, acceptance length %s",
-                name,
-                c,
-                cell["tokens_per_s"],
-                cell["mean_acceptance_length"],
-            )
-            cells[(name, c)] = cell
-    del llm
-    gc.collect()
-    return cells
+            runs: dict[str, list[dict[str, Any]]] = {d: [] for d in names}
+            for r in range(rounds):
+                for drafter in names[r % len(names) :] + names[: r % len(names)]:
+                    runs[drafter].append(
+                        run_cell(engines[drafter], prompts, c, max(requests, c), max_tokens)
+                    )
+            for drafter, cells in runs.items():
+                results[drafter][(workload, c)] = combine(cells)
+                logger.info(
+                    "%s c=%d %s: %.2f tok/s, acceptance length %s",
+                    workload,
+                    c,
+                    drafter,
+                    results[drafter][(workload, c)]["tokens_per_s"],
+                    results[drafter][(workload, c)]["mean_acceptance_length"],
+                )
+    return results
+
+
+def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's rounds as one: counters and seconds added, rates from the sums; the answers
+    are the first round's (greedy: every round gives the same ones, which is checked)."""
+    total = {
+        key: sum(cell[key] for cell in cells)
+        for key in (
+            "tokens",
+            "seconds",
+            "steps",
+            "verify_steps_with_drafts",
+            "draft_tokens",
+            "accepted_tokens",
+        )
+    }
+    draft_seconds = sum(
+        (cell["draft_seconds_per_draft_token"] or 0.0) * cell["draft_tokens"] for cell in cells
+    )
+    decisions: dict[str, int] = {}
+    for cell in cells:
+        for key, count in cell["decisions"].items():
+            decisions[key] = decisions.get(key, 0) + count
+    drafts, draft_tokens, accepted = (
+        total["verify_steps_with_drafts"],
+        total["draft_tokens"],
+        total["accepted_tokens"],
+    )
+    return {
+        **total,
+        "rounds": len(cells),
+        "tokens_per_s": total["tokens"] / total["seconds"],
+        "tokens_per_s_by_round": [cell["tokens_per_s"] for cell in cells],
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "draft_seconds_per_draft_token": draft_seconds / draft_tokens if draft_tokens else None,
+        "decisions": decisions,
+        "rounds_agree": all(cell["answers"] == cells[0]["answers"] for cell in cells),
+        "answers": cells[0]["answers"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="code_edit,copy,open_chat")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=4, help="per cell (at least c)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="of each cell, drafters in turn")
     parser.add_argument("--mode", default="auto", choices=["auto", "always"])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "drafters.json"))
     args = parser.parse_args(argv)
@@ -185,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         d: speculative_config(d, base, args.head, args.head_dtype, args.mode) for d in drafters
     }
     workloads = {w: WORKLOADS[w]() for w in names}
-    results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
-    for drafter in drafters:
+    engines = {}
+    for drafter in drafters:  # all at once: each KV budget is the config's, each its own
         logger.info("drafter %s: %s", drafter, specs[drafter])
-        results[drafter] = run_drafter(
-            config, specs[drafter], workloads, levels, args.requests, args.max_tokens
-        )
+        engines[drafter] = LLM(**config, speculative_config=specs[drafter])
+    results = run_interleaved(
+        engines, workloads, levels, args.requests, args.max_tokens, args.rounds
+    )
     rows = []
     for drafter, cells in results.items():
         for (workload, c), cell in cells.items():
@@ -215,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "speculative_configs": specs,
         "rows": rows,
     }

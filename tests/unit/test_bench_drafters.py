@@ -1,6 +1,7 @@
 """bench/drafters.py: each drafter's speculative config is the deployment's turned to that
 drafter, and a run on a tiny target and head reports every cell with its counters, each answer
-compared with speculation-off's (equal token for token in float32)."""
+compared with speculation-off's (equal token for token in float32), each cell's rounds on every
+drafter in turn added up."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_a_run_reports_every_cell_against_off(tmp_path, monkeypatch, capsys) -> 
     argv = [
         "--config", str(config), "--head", str(head), "--head-dtype", "float32",
         "--drafters", "off,eagle3,ngram+eagle3", "--workloads", "copy",
-        "--concurrency", "1,3", "--requests", "2", "--max-tokens", "10", "--mode", "always",
+        "--concurrency", "1,3", "--requests", "2", "--max-tokens", "10", "--rounds", "2", "--mode", "always",
         "--out", str(out),
     ]  # fmt: skip
     assert drafters.main(argv) == 0
@@ -82,7 +83,8 @@ def test_a_run_reports_every_cell_against_off(tmp_path, monkeypatch, capsys) -> 
     for (drafter, _, c), row in rows.items():
         assert row["answers"] == max(2, c)
         assert row["answers_equal_to_off"] == row["answers"]  # float32: lossless, exactly
-        assert 0 < row["tokens"] <= row["answers"] * 10
+        assert row["rounds"] == 2 and row["rounds_agree"] and len(row["tokens_per_s_by_round"]) == 2
+        assert 0 < row["tokens"] <= 2 * row["answers"] * 10  # two rounds
         if drafter == "off":
             assert row["draft_tokens"] == 0 and row["mean_acceptance_length"] is None
             assert row["vs_off"] == 1.0
@@ -90,5 +92,7 @@ def test_a_run_reports_every_cell_against_off(tmp_path, monkeypatch, capsys) -> 
             assert row["draft_tokens"] > 0 and row["verify_steps_with_drafts"] > 0
             expected = 1 + row["accepted_tokens"] / row["verify_steps_with_drafts"]
             assert row["mean_acceptance_length"] == pytest.approx(expected)
+            assert "speculate/fixed" in row["decisions"]  # mode always: k fixed, budget allowing
+            assert set(row["decisions"]) <= {"speculate/fixed", "skip/budget"}
     assert report["speculative_configs"]["eagle3"]["draft_dtype"] == "float32"
     assert "ngram+eagle3" in capsys.readouterr().out
