@@ -45,10 +45,10 @@ test: $(VENV)/.installed
 # project ships (code tasks over the standard library's functions, open-chat questions;
 # engine/training/prompts.py), answered by the target itself (its features recorded as it
 # answers), then HEAD_STEPS training steps of HEAD_TTT unrolled head steps. On a 2-core AVX2
-# host: about 100 minutes of generation for 400 prompts, then up to 12 s a step (a 317-token
-# sequence, TTT 3; 27 s at SpecForge's TTT 7; measured beside other work). Stopped, the same
-# command resumes where it stopped (responses, features and checkpoints are kept); a larger
-# HEAD_STEPS trains on.
+# host: about 100 minutes of generation for 400 prompts, then 3.5 s a step alone (a sequence of
+# ~300 tokens, TTT 3): 800 steps in 55 minutes (docs/eagle3.md has the run and what its head
+# earns). Stopped, the same command resumes where it stopped (responses, features and
+# checkpoints are kept); a larger HEAD_STEPS trains on.
 HEAD_TARGET ?= qwen2.5-coder-1.5b-instruct
 HEAD_DIR ?= $(HOME)/.cache/specserve/heads/$(HEAD_TARGET)
 HEAD_PROMPTS ?= 400
