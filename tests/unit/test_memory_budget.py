@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import platform
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,6 @@ from engine.memory import (
     activation_bytes,
     plan_for,
     plan_kv_cache,
-    release_freed_heap,
 )
 from tests.unit.test_attention import GatherRecorder
 
@@ -163,11 +163,42 @@ def test_the_plan_reserves_what_the_torch_backend_gathers():
     assert 0 < peak <= reserved
 
 
-def _resident_bytes() -> int:
+# Run in a fresh interpreter: in a test worker the heap holds whatever earlier tests left (free
+# lists that serve the chunks below, arenas trimmed or not), and the resident set it reads is the
+# worker's whole history.
+_TRIM_CHECK = """
+import ctypes
+from pathlib import Path
+
+from engine.memory import release_freed_heap
+
+
+def resident():
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 64 << 10  # below glibc's mmap threshold: from the heap
+chunks, keepers = [], []
+for _ in range(1600):
+    chunks.append(libc.malloc(size))
+    ctypes.memset(chunks[-1], 1, size)
+    keepers.append(libc.malloc(1024))  # stays live: the freed chunks cannot merge
+for chunk in chunks:
+    libc.free(chunk)
+before = resident()
+released = release_freed_heap()
+after = resident()
+for keeper in keepers:
+    libc.free(keeper)
+print(int(released), before, after)
+"""
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
@@ -175,24 +206,18 @@ def test_release_freed_heap_gives_freed_pages_back():
     """What loading frees stays resident in glibc's arenas until trimmed: 100 MiB freed between
     live allocations (so the heap's top cannot shrink by itself) leave the resident set only when
     release_freed_heap runs."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    size = 64 << 10  # below glibc's mmap threshold: from the heap
-    chunks, keepers = [], []
-    for _ in range(1600):
-        chunks.append(libc.malloc(size))
-        ctypes.memset(chunks[-1], 1, size)
-        keepers.append(libc.malloc(1024))  # stays live: the freed chunks cannot merge
-    for chunk in chunks:
-        libc.free(chunk)
-    before = _resident_bytes()
-    assert release_freed_heap()
-    after = _resident_bytes()
-    for keeper in keepers:
-        libc.free(keeper)
-    assert before - after > 50 << 20
+    run = subprocess.run(
+        [sys.executable, "-c", _TRIM_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    released, before, after = (int(v) for v in run.stdout.split())
+    assert released
+    assert before - after > 50 << 20, (before, after)
 
 
 def test_the_graph_pool_reserve_counts_an_eagle3_heads_taps_and_hidden_input():
