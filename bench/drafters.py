@@ -40,24 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from policy_workload import (  # noqa: E402
-    code_edit_prompts,
-    code_gen_prompts,
-    copy_prompts,
-    open_chat_prompts,
-)
+import policy_workload  # noqa: E402
+from policy_offline import cpu_isa, decisions_since  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.outputs import OutputAccumulator  # noqa: E402
 from engine.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.drafters")
-WORKLOADS = {
-    "code_edit": code_edit_prompts,
-    "copy": copy_prompts,
-    "open_chat": open_chat_prompts,
-    "code_gen": code_gen_prompts,
-}
+WORKLOADS = {**policy_workload.WORKLOADS, "copy": policy_workload.copy_prompts}
 DRAFTERS = ("off", "ngram", "draft_model", "eagle3", "ngram+draft_model", "ngram+eagle3")
 
 
@@ -87,7 +78,8 @@ def speculative_config(
 def run_cell(
     llm: LLM, prompts: list[list[int]], concurrency: int, num: int, max_tokens: int
 ) -> dict[str, Any]:
-    """`num` greedy requests over `prompts`, `concurrency` in flight; counters as deltas."""
+    """`num` greedy requests over `prompts`, `concurrency` in flight; counters as deltas (the
+    rates come from `combine`)."""
     engine = llm.engine
     stats = engine.spec_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.draft_time)
@@ -106,8 +98,7 @@ def run_cell(
             answers[int(out.request_id)] = list(out.outputs[0].token_ids)
         steps += 1
     seconds = time.perf_counter() - start
-    generated = engine.metrics.num_generation_tokens - generated_before
-    drafts, draft_tokens, accepted, draft_time = (
+    drafts, draft_tokens, accepted, draft_seconds = (
         now - then
         for now, then in zip(
             (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.draft_time),
@@ -115,23 +106,15 @@ def run_cell(
             strict=True,
         )
     )
-    decisions = {
-        f"{decision}/{reason}": count - decisions_before.get((decision, reason), 0)
-        for (decision, reason), count in engine.policy_stats.decisions.items()
-        if count - decisions_before.get((decision, reason), 0)
-    }
     return {
-        "tokens": generated,
+        "tokens": engine.metrics.num_generation_tokens - generated_before,
         "seconds": seconds,
-        "tokens_per_s": generated / seconds,
         "steps": steps,
         "verify_steps_with_drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "draft_seconds_per_draft_token": draft_time / draft_tokens if draft_tokens else None,
-        "decisions": decisions,  # the policy's, per decoding request and step: decision/reason
+        "draft_seconds": draft_seconds,
+        "decisions": decisions_since(engine, decisions_before),  # per request and step
         "answers": [answers[i] for i in range(num)],
     }
 
@@ -176,36 +159,21 @@ def run_interleaved(
 
 
 def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """One cell's rounds as one: counters and seconds added, rates from the sums; the answers
+    """One cell's rounds as one: counters and seconds added, the rates from the sums; the answers
     are the first round's (greedy: every round gives the same ones, which is checked)."""
-    total = {
-        key: sum(cell[key] for cell in cells)
-        for key in (
-            "tokens",
-            "seconds",
-            "steps",
-            "verify_steps_with_drafts",
-            "draft_tokens",
-            "accepted_tokens",
-        )
-    }
-    draft_seconds = sum(
-        (cell["draft_seconds_per_draft_token"] or 0.0) * cell["draft_tokens"] for cell in cells
-    )
+    counters = ("tokens", "seconds", "steps", "verify_steps_with_drafts", "draft_tokens")
+    total = {key: sum(cell[key] for cell in cells) for key in (*counters, "accepted_tokens")}
     decisions: dict[str, int] = {}
     for cell in cells:
         for key, count in cell["decisions"].items():
             decisions[key] = decisions.get(key, 0) + count
-    drafts, draft_tokens, accepted = (
-        total["verify_steps_with_drafts"],
-        total["draft_tokens"],
-        total["accepted_tokens"],
-    )
+    drafts, draft_tokens = total["verify_steps_with_drafts"], total["draft_tokens"]
+    accepted, draft_seconds = total["accepted_tokens"], sum(c["draft_seconds"] for c in cells)
     return {
         **total,
         "rounds": len(cells),
         "tokens_per_s": total["tokens"] / total["seconds"],
-        "tokens_per_s_by_round": [cell["tokens_per_s"] for cell in cells],
+        "tokens_per_s_by_round": [cell["tokens"] / cell["seconds"] for cell in cells],
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "draft_seconds_per_draft_token": draft_seconds / draft_tokens if draft_tokens else None,
@@ -265,10 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["answers"] = len(cell["answers"])
             rows.append(row)
     print_table(rows)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report = {
         "host": platform.processor() or platform.machine(),
-        "cpu_isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other",
+        "cpu_isa": cpu_isa(),
         "config": args.config,
         "head": args.head,
         "head_weights": args.head_dtype or "q8_0",

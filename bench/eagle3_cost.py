@@ -30,6 +30,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from policy_offline import cpu_isa  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = eagle["seconds_per_chained_draft_token"] / draft["seconds_per_chained_draft_token"]
     report = {
         "host": platform.processor() or platform.machine(),
-        "cpu_isa": _isa(),
+        "cpu_isa": cpu_isa(),
         "config": args.config,
         "target": config["model"],
         "draft_model": draft_model,
@@ -161,11 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     logger.info("wrote %s", args.out)
     return 0
-
-
-def _isa() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
 
 if __name__ == "__main__":

@@ -80,11 +80,7 @@ def run(
         steps += 1
     seconds = time.perf_counter() - start
     generated = engine.metrics.num_generation_tokens - generated_before
-    decisions = {
-        f"{decision}/{reason}": count - decisions_before.get((decision, reason), 0)
-        for (decision, reason), count in engine.policy_stats.decisions.items()
-        if count - decisions_before.get((decision, reason), 0)
-    }
+    decisions = decisions_since(engine, decisions_before)
     spec_stats = engine.spec_stats
     return {
         "mode": mode,
@@ -102,6 +98,23 @@ def run(
         "draft_seconds": spec_stats.draft_time,
         "verify_seconds": spec_stats.verify_time,
     }
+
+
+def decisions_since(engine: Any, before: dict[tuple[str, str], int]) -> dict[str, int]:
+    """The policy's decisions since `before` (a copy of engine.policy_stats.decisions), as
+    "decision/reason": count, the reasons that did not occur left out."""
+    counts = {
+        f"{decision}/{reason}": count - before.get((decision, reason), 0)
+        for (decision, reason), count in engine.policy_stats.decisions.items()
+    }
+    return {key: count for key, count in counts.items() if count}
+
+
+def cpu_isa() -> str:
+    """The widest x86 vector ISA this host's flags name: avx512, avx2 or other."""
+    path = Path("/proc/cpuinfo")
+    flags = path.read_text() if path.exists() else ""
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,10 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     by_mode = {r["mode"]: r["tokens_per_s"] for r in results}
     if "off" in by_mode and "auto" in by_mode:
         logger.info("auto / off: %.3f", by_mode["auto"] / by_mode["off"])
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report = {
         "host": platform.machine(),
-        "cpu_isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other",
+        "cpu_isa": cpu_isa(),
         "config": args.config,
         "workload": args.workload,
         "concurrency": args.concurrency,
