@@ -165,8 +165,9 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
             assert p["graph_share"] == 0.0 and p["peak_memory_bytes"] is None
             if p["mode"] == "off":
                 assert p["acceptance"] is None  # speculation off drafted nothing
-        # Where auto drafted (its choices follow measured times), some drafts were accepted.
-        assert all(0 < p["acceptance"] <= 1 for p in points if p["acceptance"] is not None)
+        # Where auto drafted (its choices follow measured times on a loaded CPU, so it may draft
+        # in a step or two only, all of whose first tokens can miss), acceptance is a share.
+        assert all(0 <= p["acceptance"] <= 1 for p in points if p["acceptance"] is not None)
 
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert table[0] == "| " + " | ".join(COLUMNS) + " |"
