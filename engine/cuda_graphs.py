@@ -28,8 +28,9 @@ before the replay, and the step is padded to a captured size.
 - EAGLE-3: a target an EAGLE-3 head taps (`model.aux_layers`) is captured with its taps, a second
   fixed output the replay hands to `model.aux_hidden` for the head's extend; the head itself (a
   model with `input_hidden_size`) reads a hidden state per token besides its ids, copied into a
-  fixed input tensor before the replay (`hidden_states`: its extend over decoding requests'
-  accepted tokens takes verify buckets, its chained draft steps decode buckets).
+  fixed input tensor before the replay (`hidden_states`: its draft steps, one token per request,
+  take decode buckets). Its extend over what each step kept only writes K/V (`model.write_kv`):
+  a second graph per bucket, `kv_states`, with no output.
 - Memory: every graph is captured into one shared memory pool, largest first, so the smaller
   graphs reuse the larger ones' intermediate buffers. A graph's output is only valid until the
   next replay of any graph: `forward` turns it into logits at once.
@@ -276,6 +277,9 @@ class CudaGraphs:
         )  # [max_tokens, width]
         self._tapped = bool(getattr(runner.model, "aux_layers", ()))
         self._graphs: dict[Bucket, _Captured] = {}
+        # A model with a hidden input that can write its K/V alone gets those graphs too.
+        self._writes_kv = self._hidden_in is not None and hasattr(runner.model, "write_kv")
+        self._kv_graphs: dict[Bucket, Graph] = {}
         self._capture_all()
 
     @property
@@ -317,6 +321,29 @@ class CudaGraphs:
             return NOT_CAPTURED
         return replayed[1].clone()  # the graph's output is rewritten by the next replay
 
+    @torch.inference_mode()
+    def kv_states(self, chunks: Sequence[SeqChunk], hidden_in: torch.Tensor) -> None | _NotCaptured:
+        """For a model that writes its K/V alone (`write_kv`): replay the step's K/V-only graph
+        with `hidden_in` [num_tokens, width] -> None, or NOT_CAPTURED when no bucket holds it."""
+        bucket = self.bucket(chunks) if self._kv_graphs else None
+        if bucket is None:
+            return NOT_CAPTURED
+        self._load_step(chunks, bucket, hidden_in)
+        self._kv_graphs[bucket].replay()
+        return None
+
+    def _load_step(
+        self, chunks: Sequence[SeqChunk], bucket: Bucket, hidden_in: torch.Tensor | None
+    ) -> Any:
+        """Copy the step (and a hidden input) into the fixed tensors -> the flattened step."""
+        step = flatten_step(chunks, self._runner.block_size)
+        n = step.layout.num_tokens
+        self._load(step.layout, step.token_ids, step.positions, bucket.num_tokens)
+        if self._hidden_in is not None:
+            assert hidden_in is not None and hidden_in.shape[0] == n
+            self._hidden_in[:n].copy_(hidden_in)  # device to device, in stream order
+        return step
+
     def _replay(
         self, chunks: Sequence[SeqChunk], hidden_in: torch.Tensor | None
     ) -> tuple[Any, torch.Tensor] | _NotCaptured:
@@ -325,13 +352,8 @@ class CudaGraphs:
         bucket = self.bucket(chunks)
         if bucket is None:
             return NOT_CAPTURED
-        step = flatten_step(chunks, self._runner.block_size)
-        layout = step.layout
-        n = layout.num_tokens
-        self._load(layout, step.token_ids, step.positions, bucket.num_tokens)
-        if self._hidden_in is not None:
-            assert hidden_in is not None and hidden_in.shape[0] == n
-            self._hidden_in[:n].copy_(hidden_in)  # device to device, in stream order
+        step = self._load_step(chunks, bucket, hidden_in)
+        n = step.layout.num_tokens
         captured = self._graphs[bucket]
         captured.graph.replay()
         if captured.taps is not None:
@@ -364,12 +386,15 @@ class CudaGraphs:
             self._load(padding, [], [], bucket.num_tokens)
             graph, out = self._capture.capture(self._body(bucket))
             self._graphs[bucket] = _Captured(graph, *out) if self._tapped else _Captured(graph, out)
+            if self._writes_kv:
+                self._kv_graphs[bucket] = self._capture.capture(self._body(bucket, kv_only=True))[0]
         if self._tapped:
             self._runner.model.aux_hidden = None  # the capture's, not a step's
 
-    def _body(self, bucket: Bucket) -> Callable[[], Any]:
-        """The captured work for one bucket. It reads only fixed tensors and ints fixed here:
-        whatever else it read would be frozen at its capture-time value on replay."""
+    def _body(self, bucket: Bucket, kv_only: bool = False) -> Callable[[], Any]:
+        """The captured work for one bucket (`kv_only`: the model's write_kv). It reads only
+        fixed tensors and ints fixed here: whatever else it read would be frozen at its
+        capture-time value on replay."""
         runner, t = self._runner, bucket.num_tokens
         ids, positions = self._ids[:t], self._positions[:t]  # [t]
         metadata = self._metadata.view(t, bucket.max_query_len, self.max_model_len)
@@ -385,6 +410,8 @@ class CudaGraphs:
                 cos=cos,
                 sin=sin,
             )
+            if kv_only:
+                return runner.model.write_kv(ids, ctx, hidden_in)  # None: only K/V written
             if hidden_in is not None:
                 return runner.model(ids, ctx, hidden_in)  # [t, hidden_size]
             hidden = runner.model(ids, ctx)  # [t, hidden_size]

@@ -166,6 +166,16 @@ class ModelRunner:
         return self.model(ids, ctx, hidden)
 
     @torch.inference_mode()
+    def kv_forward(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> None:
+        """For a model that can write its K/V alone (an EAGLE-3 head, `write_kv`): write the
+        chunks' K/V for `hidden` [num_tokens, input_hidden_size] as hidden_forward would, and
+        nothing else; from a captured graph where one holds the step, else eagerly."""
+        if self.graphs is not None and self.graphs.kv_states(chunks, hidden) is not NOT_CAPTURED:
+            return
+        _, ctx, ids = self.step_inputs(chunks)
+        self.model.write_kv(ids, ctx, hidden)
+
+    @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
         """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
         rows in chunk order, or None when no chunk asks for logits. A decode or verify step

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, write_kv
 from engine.config import ModelConfig
 from engine.kernels import cpu_kernels, quant_linear
 from engine.models.gguf import QuantTensor
@@ -314,6 +314,32 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float32_product(x).to(x.dtype)
 
+    def rows_product(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Outputs [start, end) of forward(x), multiplying by those weight rows only."""
+        blocks, qtypes, first = [], [], 0
+        for run, qtype in zip(self._blocks(), self.qtypes, strict=True):
+            lo, hi = max(start, first), min(end, first + run.shape[0])
+            if lo < hi:
+                blocks.append(run[lo - first : hi - first])
+                qtypes.append(qtype)
+            first += run.shape[0]
+        bias = None if self.bias is None else self.bias[start:end]
+        return quant_linear(x, blocks, qtypes, bias, self.int8_activations).to(x.dtype)
+
+
+def output_rows(layer: nn.Module, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """layer(x)[:, start:end] for a Linear or QuantLinear, computing only those outputs (the
+    K/V part of a fused q/k/v projection, say). Each output is the same sum over the same
+    weights as in layer(x)."""
+    if isinstance(layer, QuantLinear):
+        return layer.rows_product(x, start, end)
+    assert isinstance(layer, Linear), type(layer).__name__
+    weight = layer.weight[start:end]
+    bias = None if layer.bias is None else layer.bias[start:end]
+    if layer.batch_invariant:
+        return invariant_kernels().matmul(x, weight, bias)
+    return linear(x, weight, bias)
+
 
 class QuantEmbedding(nn.Module):
     """An embedding table kept as GGUF blocks: a lookup dequantises just the rows it needs, and a
@@ -391,6 +417,26 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """Only write the tokens' K/V into the cache, as forward would (no query, attention or
+        output projection): for positions whose output nobody reads."""
+        num_tokens = x.shape[0]
+        kv = output_rows(self.qkv_proj, x, self.q_size, self.q_size + 2 * self.kv_size)
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = _apply_rope(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        write_kv(
+            k_cache,
+            v_cache,
+            k.to(k_cache.dtype),
+            v.to(v_cache.dtype),
+            ctx.attn_metadata.slot_mapping,
+        )
 
 
 class MLP(nn.Module):

@@ -71,7 +71,7 @@ class DraftCosts:
         # A drafting step's FIRST forward, learned apart from the chained ones (None until a
         # timing teaches it: then the chained forward's price). It is not one of them: the draft
         # model's reads the tokens accepted since its last drafts (2 to k + 1 a request, dear
-        # where every extra row costs), an EAGLE-3 head's is no forward at all.
+        # where every extra row costs), an EAGLE-3 head's one token a request.
         self.first_forward_seconds: float | None = None
         self._overhead = {True: 0.0, False: 0.0}  # seconds outside forward and drafting
         self._error = {True: 1.0, False: 1.0}  # realised over predicted seconds

@@ -6,14 +6,19 @@ layers, combined by `fc`) with token t + 1 and predicts token t + 2. The head's 
 own one-layer cache under the target's block tables.
 
 The head is kept current: right after every target step, once verification has said which
-tokens stand, one batched head forward (the extend) runs over every position the target computed
-and kept that step, prompt chunks included, for every request that step ran, finishing ones too
-(their blocks may serve a later request from the prefix cache). The target's features are used
-in the step that made them and never stored across steps, so no memory grows while the policy
-pauses drafting, and resuming never stalls: the first draft's logits come from the extend's last
-output, with no forward at all. Drafting then chains k - 1 single-token head forwards, each
-feeding back the head's own pre-norm output as h; the KV they write past the last computed
-position is overwritten by the next extend.
+tokens stand, one batched head pass (the extend) writes the head's KV at every position the
+target computed and kept that step, prompt chunks included, for every request that step ran,
+finishing ones too (their blocks may serve a later request from the prefix cache). The extend
+computes only what the KV needs (`fc` of the taps, the two norms, the K/V rows of the q/k/v
+projection: about a seventh of the layer's products per token), since no position's output is
+read then; each request keeps its last position's token and h. The target's features are used
+in the step that made them and never stored across steps (one h per request is), so no memory
+grows while the policy pauses drafting, and resuming never stalls. Drafting runs k single-token
+head forwards per request, batched: the first at the last kept position from its kept h (it
+rewrites that position's KV with the same values), each later one feeding back the head's own
+pre-norm output as h; the KV they write past the last computed position is overwritten by the
+next extend. So a step that does not draft pays the extend's K/V only, and the layer's full
+forward is paid by the drafting steps, per drafted token.
 
 A request whose prompt starts in the prefix cache starts its head state at the cached length:
 those blocks' head KV was written by the extend of the request that computed them.
@@ -37,7 +42,10 @@ from engine.speculation.model_drafter import Drafted, ModelDrafter
 @dataclass
 class _HeadState:
     num_computed: int = 0  # head positions [0, num_computed) hold KV made from target features
-    last_out: torch.Tensor | None = None  # [H] the head's output at position num_computed - 1
+    # The head's inputs at position num_computed - 1 (the token after it, and h [H] from the
+    # target's features there), for the first draft's forward; None until an extend sets them.
+    last_token: int | None = None
+    last_hidden: torch.Tensor | None = None
     num_preemptions: int = 0  # the request's count when this state was made
 
 
@@ -103,7 +111,7 @@ class Eagle3Proposer(ModelDrafter):
     @torch.inference_mode()
     def extend(self, spans: Sequence[ExtendSpan]) -> None:
         """Write the head's KV at every span's positions from the target's taps of the step just
-        run, and keep each request's last output for its next first draft."""
+        run, and keep each request's last token and h for its next first draft."""
         taps = self.target.model.aux_hidden  # [step tokens, n_aux * H_target]
         self.target.model.aux_hidden = None  # used once; never kept across steps
         spans = [span for span in spans if span.token_ids]
@@ -114,7 +122,7 @@ class Eagle3Proposer(ModelDrafter):
                 # A new request whose prompt starts in the prefix cache (its blocks' head KV was
                 # written when they were computed), or positions the target computes again.
                 state.num_computed = span.start
-                state.last_out = None
+                state.last_token = state.last_hidden = None
             table = self.block_manager.get_block_table(span.request.request_id)
             chunks.append(SeqChunk(span.token_ids, span.start, table, 0))
             rows.append(range(span.row, span.row + len(span.token_ids)))
@@ -126,13 +134,13 @@ class Eagle3Proposer(ModelDrafter):
         start = device.mark()
         index = self.runner.device.tensor([r for span_rows in rows for r in span_rows], torch.int64)
         hidden = self.head.combine(taps[index])  # [num_tokens, H]
-        out = self.runner.hidden_forward(chunks, hidden)  # [num_tokens, H]
+        self.runner.kv_forward(chunks, hidden)
         ends = list(itertools.accumulate(lasts))
-        last = out[self.runner.device.tensor([e - 1 for e in ends], torch.int64)]  # [spans, H]
+        last = hidden[self.runner.device.tensor([e - 1 for e in ends], torch.int64)]  # [spans, H]
         for i, span in enumerate(spans):
             state = self._states[span.request.request_id]
             state.num_computed = span.start + len(span.token_ids)
-            state.last_out = last[i]
+            state.last_token, state.last_hidden = span.token_ids[-1], last[i]
         self.extend_marks = (start, device.mark(), ends[-1])
 
     # ------------------------------------------------------------------ drafting
@@ -140,25 +148,30 @@ class Eagle3Proposer(ModelDrafter):
     def _first(
         self, requests: Sequence[Request], max_lengths: Sequence[int]
     ) -> tuple[list[tuple[Request, int]], torch.Tensor | None, int]:
-        """No forward: the first draft's logits come from each request's last extend output."""
-        drafting, outs = [], []
+        """One forward at each drafting request's last kept position, from its kept h."""
+        drafting, chunks, hidden = [], [], []
         self._chain = {}  # the last propose's outputs are not needed any more
         for request, k in zip(requests, max_lengths, strict=True):
             state = self._states.get(request.request_id)
             if (
                 k <= 0
                 or state is None
-                or state.last_out is None
+                or state.last_token is None
+                or state.last_hidden is None
                 or state.num_preemptions != request.num_preemptions
                 or state.num_computed != request.num_computed_tokens
             ):
                 continue
             drafting.append((request, k))
-            outs.append(state.last_out)
-            self._chain[request.request_id] = state.last_out
+            table = self.block_manager.get_block_table(request.request_id)
+            chunks.append(SeqChunk([state.last_token], state.num_computed - 1, table, 1))
+            hidden.append(state.last_hidden)
         if not drafting:
             return drafting, None, 0
-        return drafting, self._logits(torch.stack(outs)), 0
+        out = self.runner.hidden_forward(chunks, torch.stack(hidden))  # [num_drafting, H]
+        for i, (request, _) in enumerate(drafting):
+            self._chain[request.request_id] = out[i]
+        return drafting, self._logits(out), 0
 
     def _next(self, active: list[tuple[Request, int]], drafted: Drafted) -> torch.Tensor:
         """Feed each active request's latest draft with the head's own last output as h."""

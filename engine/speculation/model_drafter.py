@@ -11,7 +11,8 @@ member's own small part:
 - `DraftModelProposer` (engine/speculation/draft_model.py): a smaller model with the target's
   tokenizer; its first forward catches up on the tokens it has not seen.
 - `Eagle3Proposer` (engine/speculation/eagle3.py): an EAGLE-3 head reading the target's hidden
-  states, kept current by an extend after every target step; its first logits are ready.
+  states, its K/V kept current by an extend after every target step; its first forward is one
+  token a drafting request, from the h it kept.
 
 A member implements `_first` (the first forward: which requests draft, and their first logits)
 and `_next` (one chained forward for the active requests, given their drafts so far), both with

@@ -89,13 +89,15 @@ def reference_varlen(
 class FakeGraph:
     """Replay re-runs the captured callable into the tensor (or tensors) the capture returned."""
 
-    def __init__(self, fn, out: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, fn, out: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
         self.fn, self.out, self.num_replays = fn, out, 0
 
     def replay(self) -> None:
         self.num_replays += 1
         new = self.fn()
-        if isinstance(self.out, tuple):
+        if self.out is None:  # a graph whose work is its writes (K/V only)
+            assert new is None
+        elif isinstance(self.out, tuple):
             for out, value in zip(self.out, new, strict=True):
                 out.copy_(value)
         else:

@@ -3,7 +3,8 @@ test_cuda_graphs.py's capture device and plain-torch flash-attn kernel): a targe
 taps replays its decode/verify steps with the taps as a second output, equal to the eager
 forward's; the head's extend over decoding requests (1 + accepted tokens each) and its chained
 draft steps (one token each) replay graphs that read the hidden input from a fixed tensor, and
-give the eager head's outputs and K/V; the memory plan reserves both in the graph pool."""
+give the eager head's outputs and K/V, and its K/V-only extend replays graphs of its own; the
+memory plan reserves both in the graph pool."""
 
 from __future__ import annotations
 
@@ -153,3 +154,36 @@ def test_the_heads_extend_and_draft_steps_replay_with_their_hidden_input(head_pa
     # A prompt's extend (longer than any bucket's query) runs eagerly.
     long = [SeqChunk([7] * 6, starts["a"], SEQS["a"][1], 0)]
     assert graphed.graphs.hidden_states(long, hidden(6)) is NOT_CAPTURED
+
+
+def test_the_heads_extend_replays_a_kv_only_graph(head_parts):
+    """The extend writes only the head's K/V: a graph per bucket of its own (and eagerly where
+    none holds the step), whose K/V equal what the eager head's whole forward writes."""
+    cfg, model, _ = head_parts
+    gen = torch.Generator().manual_seed(2)
+    rng = random.Random(3)
+
+    def hidden(n: int) -> torch.Tensor:
+        return torch.randn(n, model.input_hidden_size, generator=gen)
+
+    def prefill(runner):
+        for _, (n, table) in SEQS.items():
+            ids = [rng.randrange(3, 320) for _ in range(n)]
+            ModelRunner.hidden_forward(runner, [SeqChunk(ids, 0, table, 0)], hidden(n))
+
+    ref, graphed, capture = _pair(head_parts, prefill)
+    starts = {name: n for name, (n, _) in SEQS.items()}
+    for lens in ({"a": 3, "b": 1, "c": 5}, {"a": 1, "b": 1, "c": 1}, {"a": 6}):
+        chunks = []
+        for name, n in lens.items():
+            ids = [rng.randrange(3, 320) for _ in range(n)]
+            chunks.append(SeqChunk(ids, starts[name], SEQS[name][1], 0))
+            starts[name] += n
+        given = hidden(sum(lens.values()))
+        captured = graphed.graphs.bucket(chunks) is not None
+        replays = _num_replays(capture)
+        assert ModelRunner.kv_forward(graphed, chunks, given) is None  # type: ignore[arg-type]
+        assert _num_replays(capture) == replays + captured
+        ModelRunner.hidden_forward(ref, chunks, given)  # type: ignore[arg-type]
+        _assert_same_kv(graphed, ref)
+    assert not captured  # the last step's 6-token query is longer than any bucket's

@@ -206,7 +206,17 @@ def test_head_drafts_what_the_dense_reference_drafts(tmp_path, target, variant):
     outs = ref.step(torch.tensor(tokens[1:]), aux @ fc.T, positions)
     state = proposer._states[request.request_id]
     assert state.num_computed == len(prompt)
-    torch.testing.assert_close(state.last_out, outs[-1], rtol=1e-4, atol=1e-4)
+    # The extend wrote only K/V (the reference's at every prompt position) and kept the last
+    # position's token and h for the first draft's forward.
+    assert state.last_token == tokens[-1]
+    torch.testing.assert_close(state.last_hidden, (aux @ fc.T)[-1], rtol=1e-4, atol=1e-4)
+    k_cache, v_cache = proposer.runner.kv_caches[0]
+    table = engine.scheduler.block_manager.get_block_table(request.request_id)
+    size = k_cache.shape[1]
+    slots = [table[p // size] * size + p % size for p in range(len(prompt))]
+    for cache, ref_kv in ((k_cache, ref.keys[0]), (v_cache, ref.values[0])):
+        written = cache.view(-1, *cache.shape[2:])[slots].float()
+        torch.testing.assert_close(written, ref_kv, rtol=1e-4, atol=1e-4)
     expected, h = [], outs[-1]
     for j in range(3):
         expected.append(ref.draft(h))

@@ -178,3 +178,30 @@ def test_the_int8_product_refuses_what_it_cannot_compute(module):
     assert module.quant_linear_int8(
         torch.randn(0, 512), [q4_k.blocks], [q4_k.qtype], None
     ).shape == (0, 4)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32-activations", "int8-activations"])
+def test_some_output_rows_alone_are_those_of_the_whole_product(int8):
+    """output_rows (the K/V part of a fused projection, say) multiplies by those weight rows
+    only, across runs of different formats, and gives bit for bit the whole product's columns;
+    a dense Linear's likewise."""
+    from engine.models.llama import Linear, QuantLinear, output_rows
+
+    rng = np.random.default_rng(7)
+    layer = QuantLinear(512, 72, bias=True, dtype=torch.float32)
+    layer.bias = torch.nn.Parameter(torch.randn(72))
+    layer.set_weight(
+        [
+            serving_layout(
+                QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512)
+            )
+            for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))
+        ]
+    )
+    layer.int8_activations = int8
+    dense = Linear(512, 72, bias=True)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+    for module in (layer, dense):
+        whole = module(x)
+        for start, end in ((48, 72), (40, 60), (0, 16), (66, 70)):
+            assert torch.equal(output_rows(module, x, start, end), whole[:, start:end])
