@@ -2,8 +2,8 @@
 drafter, at each concurrency, on each workload, through the engine (no HTTP), in one run.
 
 Drafters (--drafters): off; ngram; draft_model (the config's draft model: the bundled 0.5B for
-the default 1.5B); eagle3 (the head directory --head, in Q8_0 blocks on the CPU unless
---head-dtype); ngram+draft_model and ngram+eagle3 (lookup first). Each drafter gets an engine of
+the default 1.5B); eagle3 (the head directory --head, in Q8_0 blocks on the CPU, or Q6_K with
+--head-quantization q6_k, or dense in --head-dtype); ngram+draft_model and ngram+eagle3 (lookup first). Each drafter gets an engine of
 the config of its own, all held at once, in the policy mode --mode (auto: what a deployment
 runs; always: the drafter's acceptance with the policy out of the way). A cell (a workload at a
 concurrency) runs on every engine in turn, --rounds times with the order rotated, so that a
@@ -17,7 +17,7 @@ emits: accepted drafts + 1, over the steps that verified drafts), the acceptance
 seconds per draft token, the policy's decisions by reason, and how many answers equal
 speculation-off's token for token (off must run first for that).
 
-    python bench/drafters.py --head DIR [--config configs/default.yaml]
+    python bench/drafters.py --head DIR [--head-quantization q8_0|q6_k] [--config FILE]
         [--drafters off,ngram,draft_model,eagle3] [--workloads code_edit,copy,open_chat]
         [--concurrency 1,4,16] [--requests 4] [--max-tokens 64] [--rounds 2] [--mode auto]
         [--out FILE]
@@ -53,9 +53,15 @@ DRAFTERS = ("off", "ngram", "draft_model", "eagle3", "ngram+draft_model", "ngram
 
 
 def speculative_config(
-    drafter: str, base: dict[str, Any], head: str | None, head_dtype: str | None, mode: str
+    drafter: str,
+    base: dict[str, Any],
+    head: str | None,
+    head_dtype: str | None,
+    mode: str,
+    head_quantization: str = "q8_0",
 ) -> dict[str, Any] | None:
-    """The config's speculative_config turned to one drafter (None: speculation off)."""
+    """The config's speculative_config turned to one drafter (None: speculation off). The head
+    runs in head_dtype's dense weights where given, else in head_quantization's blocks."""
     if drafter == "off":
         return None
     if drafter not in DRAFTERS:
@@ -71,7 +77,7 @@ def speculative_config(
         if head_dtype:
             spec["draft_dtype"] = head_dtype
         else:
-            spec["draft_quantization"] = "q8_0"
+            spec["draft_quantization"] = head_quantization
     return spec
 
 
@@ -187,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--head", help="an EAGLE-3 head directory (for the eagle3 drafters)")
-    parser.add_argument("--head-dtype", help="the head's dtype (default: Q8_0 blocks)")
+    parser.add_argument("--head-dtype", help="the head's dense dtype (default: blocks)")
+    parser.add_argument(
+        "--head-quantization",
+        default="q8_0",
+        choices=["q8_0", "q6_k"],
+        help="the head's blocks without --head-dtype (q6_k: int8 activations where the config's)",
+    )
     parser.add_argument("--drafters", default="off,ngram,draft_model,eagle3")
     parser.add_argument("--workloads", default="code_edit,copy,open_chat")
     parser.add_argument("--concurrency", default="1,4,16")
@@ -209,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > config.get("max_num_seqs", 256):
         parser.error("a concurrency above the config's max_num_seqs would queue, not run")
     specs = {
-        d: speculative_config(d, base, args.head, args.head_dtype, args.mode) for d in drafters
+        d: speculative_config(
+            d, base, args.head, args.head_dtype, args.mode, args.head_quantization
+        )
+        for d in drafters
     }
     workloads = {w: WORKLOADS[w]() for w in names}
     engines = {}
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_isa": cpu_isa(),
         "config": args.config,
         "head": args.head,
-        "head_weights": args.head_dtype or "q8_0",
+        "head_weights": args.head_dtype or args.head_quantization,
         "mode": args.mode,
         "requests": args.requests,
         "max_tokens": args.max_tokens,

@@ -63,7 +63,10 @@ def load_head_runner(
     dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
     if spec.draft_quantization:
         if target.device.torch.type != "cpu":
-            raise ValueError("draft_quantization q8_0 runs on the CPU kernels, not on a GPU.")
+            raise ValueError(
+                f"draft_quantization {spec.draft_quantization} runs on the CPU kernels, not on "
+                "a GPU."
+            )
         dtype = torch.float32  # the kernels' activations
     cfg = head.as_model_config(target.model_config)
     with startup_phase(f"load weights {path.name} (EAGLE-3 head)"):
@@ -77,7 +80,7 @@ def load_head_runner(
                 )
             model.share_embedding(target.model.embed_tokens)
         if spec.draft_quantization:
-            model.quantize(spec.draft_quantization)
+            model.quantize(spec.draft_quantization, config.gguf_activations == "int8")
         runner = ModelRunner(config, cfg, max_positions, dtype, model=model)
     target.model.aux_layers = layers
     return runner

@@ -313,25 +313,39 @@ class Eagle3Head(nn.Module):
             return self.lm_head.float32_product(self.norm(out))
         return float32_linear(self.norm(out), self.lm_head.weight, self.batch_invariant)
 
-    def quantize(self, qformat: str) -> None:
-        """Multiply by Q8_0 blocks (our CPU kernels) instead of the dense weights: every linear
-        of the head, the LM head included; about half the bytes a chained step reads in
-        bfloat16. The activations stay in the head's dtype (float32 for the kernels)."""
-        from engine.models.gguf import quantize_q8_0
+    def quantize(self, qformat: str, int8_activations: bool = False) -> None:
+        """Multiply by GGUF blocks (our CPU kernels) instead of the dense weights: every linear
+        of the head, the LM head included. "q8_0": Q8_0 blocks (about half the bytes a chained
+        step reads in bfloat16), float32 activations. "q6_k": Q6_K blocks (needs every input
+        width a multiple of 256), with `int8_activations` multiplied by int8-quantised
+        activations in integer dot products, as the target's K-quant blocks are (several rows
+        cost little more than one: the extend's and a batch's rows)."""
+        from engine.models.gguf import quantize_q6_k, quantize_q8_0, serving_layout
         from engine.models.llama import QuantLinear
 
-        if qformat != "q8_0":
-            raise ValueError(f"unknown head quantization {qformat!r}; specserve offers q8_0.")
-        for name, module in list(self.named_modules()):
-            if isinstance(module, Linear):
-                quant = QuantLinear(
-                    module.in_features, module.out_features, module.bias is not None, self.dtype
+        quantizers = {"q8_0": quantize_q8_0, "q6_k": quantize_q6_k}
+        if qformat not in quantizers:
+            raise ValueError(
+                f"unknown head quantization {qformat!r}; specserve offers {', '.join(quantizers)}."
+            )
+        linears = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
+        if qformat == "q6_k":
+            odd = [n for n, m in linears if m.in_features % 256]
+            if odd:
+                raise ValueError(
+                    f"q6_k needs input widths that are multiples of 256; {', '.join(odd)} "
+                    "are not (use q8_0)."
                 )
-                if module.bias is not None:
-                    quant.bias = module.bias
-                quant.set_weight([quantize_q8_0(module.weight)])
-                parent, _, child = name.rpartition(".")
-                setattr(self.get_submodule(parent) if parent else self, child, quant)
+        for name, module in linears:
+            quant = QuantLinear(
+                module.in_features, module.out_features, module.bias is not None, self.dtype
+            )
+            if module.bias is not None:
+                quant.bias = module.bias
+            quant.set_weight([serving_layout(quantizers[qformat](module.weight))])
+            quant.int8_activations = qformat == "q6_k" and int8_activations
+            parent, _, child = name.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, child, quant)
 
     @property
     def dtype(self) -> torch.dtype:

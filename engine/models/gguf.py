@@ -305,6 +305,42 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
     return QuantTensor(blocks.contiguous(), 8, columns)
 
 
+def quantize_q6_k(weight: torch.Tensor) -> QuantTensor:
+    """A float weight [rows, columns] (columns a multiple of 256) as GGML Q6_K blocks (210 bytes
+    per 256 weights: the low four bits of each 6-bit q in ql[128], the high two in qh[64], 16
+    int8 sub-block scales, a float16 d; weight = d * scale * (q - 32)). Per 16 weights the step
+    wanted is max|w| / 31 (so q - 32 stays in [-31, 31]); it is stored as ceil(step / d), with
+    d = the largest step of the block / 126.5 (the ceiling stays within 127 after d's float16
+    rounding), so the step used is at least the one wanted and at most d more, and
+    q = round(w / (d * scale)) + 32. A plain quantiser (ggml's searches each scale): every
+    weight within half its step."""
+    rows, columns = weight.shape
+    if columns % 256:
+        raise ValueError(f"Q6_K needs a multiple of 256 columns, got {columns}.")
+    nb = columns // 256
+    w = weight.detach().to("cpu", torch.float32).reshape(rows, nb, 16, 16)
+    group = w.abs().amax(dim=-1) / 31  # [rows, nb, 16]
+    d = (group.amax(dim=-1, keepdim=True) / 126.5).to(torch.float16)  # [rows, nb, 1]
+    df = d.float()
+    scales = torch.where(df > 0, group / df, torch.zeros_like(group)).ceil().clamp(0, 127)
+    step = (df * scales)[..., None]  # [rows, nb, 16, 1]
+    q = torch.where(step > 0, w / step, torch.zeros_like(w)).round().clamp(-32, 31) + 32
+    q = q.to(torch.uint8).reshape(rows, nb, 2, 128)  # halves of 128 weights
+    low, high = q & 0xF, q >> 4
+    ql = low[..., :64] | (low[..., 64:] << 4)  # [rows, nb, 2, 64]
+    qh = high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)
+    blocks = torch.cat(
+        (
+            ql.reshape(rows, nb, 128),
+            qh.reshape(rows, nb, 64),
+            scales.to(torch.int8).view(torch.uint8),
+            d.view(torch.uint8),  # little-endian float16
+        ),
+        dim=-1,
+    )
+    return QuantTensor(blocks.reshape(rows, nb * 210).contiguous(), 14, columns)
+
+
 def read_dense(
     path: Path,
     wanted: Callable[[str], bool],

@@ -32,7 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model (name or path), or the EAGLE-3 head's directory
     draft_dtype: str | None = None  # default: the target's dtype
-    # "q8_0": an EAGLE-3 head multiplies by Q8_0 blocks (CPU), float32 activations.
+    # "q8_0": an EAGLE-3 head multiplies by Q8_0 blocks (CPU), float32 activations; "q6_k": by
+    # Q6_K blocks, with the engine's gguf_activations (int8: integer dot products).
     draft_quantization: str | None = None
     # The draft model stops drafting for a request once it gives its own token less than this
     # probability (bench/spec.py: 0.6 with 5 tokens beat a fixed 3-token window on open chat).
@@ -73,9 +74,10 @@ class SpeculativeConfig:
             raise ValueError("spec_disable_utilization must be in (0, 1].")
         if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative method draft_model needs 'model' (the draft model).")
-        if self.draft_quantization not in (None, "q8_0"):
+        if self.draft_quantization not in (None, "q8_0", "q6_k"):
             raise ValueError(
-                f"draft_quantization must be 'q8_0' or unset, got {self.draft_quantization!r}."
+                "draft_quantization must be 'q8_0', 'q6_k' or unset, got "
+                f"{self.draft_quantization!r}."
             )
         if self.draft_quantization and self.model_drafter != "eagle3":
             raise ValueError("draft_quantization applies to an EAGLE-3 head (method eagle3).")

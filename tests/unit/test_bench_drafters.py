@@ -33,7 +33,9 @@ def test_each_drafter_gets_its_own_speculative_config() -> None:
     head = drafters.speculative_config("ngram+eagle3", BASE, "/h", None, "auto")
     assert head["model"] == "/h" and head["draft_quantization"] == "q8_0"
     assert "draft_dtype" not in head
-    typed = drafters.speculative_config("eagle3", BASE, "/h", "bfloat16", "auto")
+    q6 = drafters.speculative_config("eagle3", BASE, "/h", None, "auto", "q6_k")
+    assert q6["draft_quantization"] == "q6_k"
+    typed = drafters.speculative_config("eagle3", BASE, "/h", "bfloat16", "auto", "q6_k")
     assert typed["draft_dtype"] == "bfloat16" and "draft_quantization" not in typed
     with pytest.raises(ValueError, match="needs --head"):
         drafters.speculative_config("eagle3", BASE, None, None, "auto")
