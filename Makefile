@@ -162,7 +162,7 @@ bench-structured: $(VENV)/.models
 # The drafters side by side on the default deployment: off, n-gram, the 0.5B draft model and the
 # head `make eagle3-head` trained (Q8_0 blocks), mode auto, at 1, 4 and 16 requests in flight on
 # code edits, copying and open chat — tokens/s, mean acceptance length, answers equal to off's
-# (bench/drafters.py; about 30 min a round on 2 CPU cores, two rounds unless ARGS="--rounds 1").
+# (bench/drafters.py; about 15 min a round on 2 CPU cores, two rounds unless ARGS="--rounds 1").
 # Writes bench/results/drafters.json.
 bench-drafters: $(VENV)/.models
 	$(PY) bench/drafters.py --head $(HEAD_DIR)/head $(ARGS)

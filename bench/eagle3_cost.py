@@ -6,11 +6,13 @@ heads and intermediate size, --draft-vocab ids of the target's). For each drafte
 the config's model and settings (the served GGUF blocks with int8 activations by default) drafts
 K tokens at batch 1 in mode `always` with no early exit, over --tokens generated tokens, and the
 drafters' own device timings are summed: the chained single-token forwards (one draft token
-each, the figure compared), the first forward (the draft model's catch-up; nothing for the head,
-whose first logits come from its extend) and, for the head, the extend after each target step.
+each, the figure compared), the first forward (one draft token each too; the draft model's
+carries its catch-up, the head's is one token at the last kept position) and, for the head, the
+extend after each target step (its K/V only). All of it over all draft tokens is the second
+figure: what a draft token costs in all.
 
     python bench/eagle3_cost.py [--config configs/default.yaml] [--tokens 128]
-        [--draft-vocab 32000] [--head-dtype bfloat16 | --head-quantization q8_0] [--head DIR]
+        [--draft-vocab 32000] [--head-dtype bfloat16 | --head-quantization q8_0|q6_k] [--head DIR]
         [--out FILE]
 """
 
@@ -96,6 +98,7 @@ def measure(engine_args: dict[str, Any], spec: dict[str, Any], tokens: int) -> d
     num_more = sum(t.num_more for t in timings)
     more = sum(t.more_seconds for t in timings)
     first = sum(t.first_seconds for t in timings)
+    num_drafted = num_more + sum(t.num_drafting for t in timings)  # one more per first forward
     result = {
         "method": spec["method"],
         "num_proposes": len(timings),
@@ -103,6 +106,10 @@ def measure(engine_args: dict[str, Any], spec: dict[str, Any], tokens: int) -> d
         "seconds_per_chained_draft_token": more / num_more if num_more else None,
         "first_forward_seconds_per_propose": first / len(timings) if timings else None,
         "extend_seconds_per_step": extend_seconds / num_extends if num_extends else None,
+        # Every second the drafter spent (first forwards, chained ones, extends) per draft token.
+        "seconds_per_draft_token_in_all": (
+            (first + more + extend_seconds) / num_drafted if num_drafted else None
+        ),
         "acceptance_rate": engine.spec_stats.acceptance_rate,
     }
     proposer.take_timing = take  # the engine holds the closures until it goes
@@ -118,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--head-dtype", default="bfloat16")
-    parser.add_argument("--head-quantization", choices=["q8_0"], help="Q8_0 blocks (CPU)")
+    parser.add_argument(
+        "--head-quantization", choices=["q8_0", "q6_k"], help="Q8_0 or Q6_K blocks (CPU)"
+    )
     parser.add_argument("--head", help="a trained head's directory (default: a random one)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eagle3-cost.json"))
     args = parser.parse_args(argv)
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     draft, eagle = results
     ratio = eagle["seconds_per_chained_draft_token"] / draft["seconds_per_chained_draft_token"]
+    in_all = eagle["seconds_per_draft_token_in_all"] / draft["seconds_per_draft_token_in_all"]
     report = {
         "host": platform.processor() or platform.machine(),
         "cpu_isa": cpu_isa(),
@@ -157,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "results": results,
         "head_over_draft_model_per_draft_token": ratio,
+        "head_over_draft_model_per_draft_token_in_all": in_all,
     }
     for r in results:
         logger.info("%s", r)
     logger.info("head / draft model, seconds per chained draft token: %.3f", ratio)
+    logger.info("head / draft model, seconds per draft token in all: %.3f", in_all)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     logger.info("wrote %s", args.out)
     return 0
