@@ -108,6 +108,27 @@ def head_parts(tiny_llama, tmp_path):
     return cfg, model, RotaryEmbedding(cfg.hf_config, cfg.head_dim, MAX_MODEL_LEN, CPU)
 
 
+def _head_prefill(rng, hidden):
+    """The head's KV of every sequence's prompt, as the prompts' extends write it."""
+
+    def prefill(runner):
+        for _, (n, table) in SEQS.items():
+            ids = [rng.randrange(3, 320) for _ in range(n)]
+            ModelRunner.hidden_forward(runner, [SeqChunk(ids, 0, table, 0)], hidden(n))
+
+    return prefill
+
+
+def _next_chunks(rng, starts, lens):
+    """Random tokens for each named sequence's next `lens[name]` positions (starts advance)."""
+    chunks = []
+    for name, n in lens.items():
+        ids = [rng.randrange(3, 320) for _ in range(n)]
+        chunks.append(SeqChunk(ids, starts[name], SEQS[name][1], 0))
+        starts[name] += n
+    return chunks
+
+
 def test_the_heads_extend_and_draft_steps_replay_with_their_hidden_input(head_parts):
     cfg, model, _ = head_parts
     width = model.input_hidden_size
@@ -118,12 +139,7 @@ def test_the_heads_extend_and_draft_steps_replay_with_their_hidden_input(head_pa
     def hidden(n: int) -> torch.Tensor:
         return torch.randn(n, width, generator=gen)
 
-    def prefill(runner):  # the head's KV of the prompts, as the prompts' extends write it
-        for _, (n, table) in SEQS.items():
-            ids = [rng.randrange(3, 320) for _ in range(n)]
-            ModelRunner.hidden_forward(runner, [SeqChunk(ids, 0, table, 0)], hidden(n))
-
-    ref, graphed, capture = _pair(head_parts, prefill)
+    ref, graphed, capture = _pair(head_parts, _head_prefill(rng, hidden))
     starts = {name: n for name, (n, _) in SEQS.items()}
     steps = [
         {"a": 1, "b": 1, "c": 1},  # chained draft steps: one token each
@@ -132,11 +148,7 @@ def test_the_heads_extend_and_draft_steps_replay_with_their_hidden_input(head_pa
         {"a": 5, "b": 2},
     ]
     for lens in steps:
-        chunks = []
-        for name, n in lens.items():
-            ids = [rng.randrange(3, 320) for _ in range(n)]
-            chunks.append(SeqChunk(ids, starts[name], SEQS[name][1], 0))
-            starts[name] += n
+        chunks = _next_chunks(rng, starts, lens)
         given = hidden(sum(lens.values()))
         replays = _num_replays(capture)
         out = ModelRunner.hidden_forward(graphed, chunks, given)  # type: ignore[arg-type]
@@ -166,19 +178,10 @@ def test_the_heads_extend_replays_a_kv_only_graph(head_parts):
     def hidden(n: int) -> torch.Tensor:
         return torch.randn(n, model.input_hidden_size, generator=gen)
 
-    def prefill(runner):
-        for _, (n, table) in SEQS.items():
-            ids = [rng.randrange(3, 320) for _ in range(n)]
-            ModelRunner.hidden_forward(runner, [SeqChunk(ids, 0, table, 0)], hidden(n))
-
-    ref, graphed, capture = _pair(head_parts, prefill)
+    ref, graphed, capture = _pair(head_parts, _head_prefill(rng, hidden))
     starts = {name: n for name, (n, _) in SEQS.items()}
     for lens in ({"a": 3, "b": 1, "c": 5}, {"a": 1, "b": 1, "c": 1}, {"a": 6}):
-        chunks = []
-        for name, n in lens.items():
-            ids = [rng.randrange(3, 320) for _ in range(n)]
-            chunks.append(SeqChunk(ids, starts[name], SEQS[name][1], 0))
-            starts[name] += n
+        chunks = _next_chunks(rng, starts, lens)
         given = hidden(sum(lens.values()))
         captured = graphed.graphs.bucket(chunks) is not None
         replays = _num_replays(capture)
