@@ -57,6 +57,9 @@ class FixedAlphas:
     def observe(self, key: str, source: str, num_draft_tokens: int, num_accepted: int) -> None:
         pass
 
+    def tick(self) -> None:
+        pass
+
     def forget(self, key: str) -> None:
         pass
 

@@ -27,6 +27,17 @@ PRIOR_WEIGHT = 2.0
 # A draft model's requests are judged by alpha plus this many standard errors (optimism under
 # uncertainty: they learn only by drafting).
 OPTIMISM = 1.0
+# A pooled method's (a model drafter's) new request starts from what the method's drafts achieved
+# on the engine's recent requests, weighted as POOLED_PRIOR_WEIGHT pseudo-trials (evidence, so
+# more than PRIOR_WEIGHT's guess), once the pool holds POOL_MIN_TRIALS trials. The start is a
+# start only: each of the request's own verifies halves the pool's weight (POOL_FADE) and hands it
+# to the fixed prior, so a request with a few verifies is judged by its own evidence as before.
+# The pool fades by POOL_DECAY per engine step: a method left idle for a few hundred steps starts
+# its requests from the fixed prior again (and so tries them).
+POOLED_PRIOR_WEIGHT = 8.0
+POOL_FADE = 0.5
+POOL_MIN_TRIALS = 10.0
+POOL_DECAY = 0.995
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -57,6 +68,13 @@ class AcceptanceTracker:
     bound is wide while a request has few trials, so it is tried on its first steps, and narrows
     as its verifies come in. A lookup's estimate also learns while its request is paused (shadow
     drafts, engine/speculation/stats.py), so the policy judges it by `alpha`.
+
+    The fixed prior plus that bound tries every new request (0.6 with two pseudo-trials reads
+    0.95), which costs where a drafter keeps few of its drafts and requests are short: a cell of
+    64-token requests at 4 clients was mostly such first tries. So for the methods in `pooled`
+    a new request starts from the method's pool, the verifies of the engine's recent requests
+    (POOLED_PRIOR_WEIGHT pseudo-trials at their estimate), which fades into the fixed prior as the
+    request's own verifies arrive (see POOL_FADE); `tick` fades the pool once per engine step.
     """
 
     def __init__(
@@ -65,6 +83,7 @@ class AcceptanceTracker:
         decay: float = ACCEPTANCE_DECAY,
         prior_weight: float = PRIOR_WEIGHT,
         optimism: float = OPTIMISM,
+        pooled: frozenset[str] = frozenset(),
     ) -> None:
         if not 0.0 < decay <= 1.0 or prior_weight <= 0.0 or optimism < 0.0:
             raise ValueError("need 0 < decay <= 1, prior_weight > 0 and optimism >= 0")
@@ -72,7 +91,10 @@ class AcceptanceTracker:
         self.decay = decay
         self.prior_weight = prior_weight
         self.optimism = optimism
-        self._state: dict[str, tuple[str, float, float]] = {}  # id -> (method, accepted, trials)
+        # id -> (method, accepted, trials, verifies)
+        self._state: dict[str, tuple[str, float, float, int]] = {}
+        # method -> (accepted, trials) over the engine's recent requests, for the pooled methods
+        self._pool: dict[str, tuple[float, float]] = {m: (0.0, 0.0) for m in pooled}
 
     def observe(
         self, request_id: str, method: str, num_draft_tokens: int, num_accepted: int
@@ -81,24 +103,52 @@ class AcceptanceTracker:
             raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} drafts")
         if num_draft_tokens == 0:
             return
-        _, accepted, trials = self._state.get(request_id, (method, 0.0, 0.0))
+        _, accepted, trials, verifies = self._state.get(request_id, (method, 0.0, 0.0, 0))
         is_rejected = num_accepted < num_draft_tokens
         accepted = self.decay * accepted + num_accepted
         trials = self.decay * trials + num_accepted + is_rejected
-        self._state[request_id] = (method, accepted, trials)
+        self._state[request_id] = (method, accepted, trials, verifies + 1)
+        if method in self._pool:
+            pool_accepted, pool_trials = self._pool[method]
+            self._pool[method] = (
+                pool_accepted + num_accepted,
+                pool_trials + num_accepted + is_rejected,
+            )
+
+    def tick(self) -> None:
+        """One engine step has passed: the pools fade by POOL_DECAY."""
+        for method, (accepted, trials) in self._pool.items():
+            self._pool[method] = (POOL_DECAY * accepted, POOL_DECAY * trials)
+
+    def _prior(self, method: str, verifies: int) -> tuple[float, float]:
+        """(pseudo-accepted, pseudo-trials) a request with `verifies` own verifies starts from:
+        the fixed prior's, or while its method's pool holds enough trials, the pool's estimate
+        with a weight that halves per own verify and is handed to the fixed prior."""
+        fixed = self.priors[method]
+        accepted, trials = self._pool.get(method, (0.0, 0.0))
+        if trials < POOL_MIN_TRIALS:
+            return self.prior_weight * fixed, self.prior_weight
+        share = POOL_FADE**verifies  # of the start still the pool's
+        pooled = share * POOLED_PRIOR_WEIGHT
+        kept = (1.0 - share) * self.prior_weight
+        return pooled * accepted / trials + kept * fixed, pooled + kept
+
+    def _estimate(self, request_id: str, method: str) -> tuple[float, float]:
+        """(alpha, its trials counting the prior's pseudo-trials)."""
+        _, accepted, trials, verifies = self._state.get(request_id, (method, 0.0, 0.0, 0))
+        pseudo_accepted, pseudo_trials = self._prior(method, verifies)
+        trials += pseudo_trials
+        return (accepted + pseudo_accepted) / trials, trials
 
     def alpha(self, request_id: str, method: str) -> float:
-        """The estimate for a request; its method's prior when it has no history yet."""
-        prior = self.priors[method]
-        _, accepted, trials = self._state.get(request_id, (method, 0.0, 0.0))
-        return (accepted + self.prior_weight * prior) / (trials + self.prior_weight)
+        """The estimate for a request; its method's prior (or pool) when it has no history yet."""
+        return self._estimate(request_id, method)[0]
 
     def upper_bound(self, request_id: str, method: str) -> float:
         """alpha plus `optimism` standard errors of it, its trials counting the prior's: what
         the policy decides by (see the class docstring)."""
-        _, _, trials = self._state.get(request_id, (method, 0.0, 0.0))
-        alpha = self.alpha(request_id, method)
-        error = math.sqrt(alpha * (1.0 - alpha) / (trials + self.prior_weight))
+        alpha, trials = self._estimate(request_id, method)
+        error = math.sqrt(alpha * (1.0 - alpha) / trials)
         return min(1.0, alpha + self.optimism * error)
 
     def forget(self, request_id: str) -> None:

@@ -81,7 +81,7 @@ class SpeculationPolicy:
         self.disable_batch_size = disable_batch_size
         self.disable_utilization = disable_utilization
         self.costs = DraftCosts(draft_forward_seconds, catch_up_seconds_per_token)
-        self.tracker = AcceptanceTracker()
+        self.tracker = AcceptanceTracker(pooled=MODEL_SOURCES)
         self._last_k: dict[str, int] = {}  # acceptance key -> k of its last final decision
         self._depth = 0  # the draft model's depth (forwards per step) in the last step
 
@@ -309,6 +309,7 @@ class SpeculationPolicy:
     def observe(self, stats: StepStats) -> None:
         """Learn from one finished step (its device time synchronised)."""
         self.costs.observe(stats, self.step_model)
+        self.tracker.tick()
         for v in stats.verifies:
             key = acceptance_key(v.request_id, v.source)
             self.tracker.observe(key, v.source, v.num_draft_tokens, v.num_accepted)

@@ -326,6 +326,41 @@ def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
         AcceptanceTracker(optimism=-1.0)
 
 
+def test_a_model_drafters_new_request_starts_from_its_recent_requests() -> None:
+    """A pooled method's new request starts near what the method kept on the requests before it
+    (not the fixed 0.6 and its wide bound); its own verifies take over within a few (a request
+    that always fails ends where the fixed prior would leave it, whatever its peers kept); a
+    lookup does not pool; with no drafting for a few hundred steps the fixed prior is back."""
+    tracker = AcceptanceTracker(pooled=frozenset({"eagle3"}))
+    alone = AcceptanceTracker()
+    fixed = alone.upper_bound("new", "eagle3")
+    assert tracker.upper_bound("new", "eagle3") == fixed  # an empty pool: the fixed prior
+    rng = random.Random(11)
+    for i in range(60):  # earlier requests, three verifies each, a sixth of the tokens kept
+        for _ in range(3):
+            tracker.observe(f"old{i}", "eagle3", 5, _verify(rng, 0.17, 5))
+            tracker.observe(f"old{i}", "ngram", 5, _verify(rng, 0.17, 5))
+            tracker.tick()
+        tracker.forget(f"old{i}")
+    assert tracker.alpha("new", "eagle3") == pytest.approx(0.17, abs=0.07)
+    assert tracker.upper_bound("new", "eagle3") < 0.4 < fixed - 0.5  # eight trials of evidence
+    assert tracker.alpha("new", "ngram") == tracker.priors["ngram"]  # lookups do not pool
+    # Its own verifies move it: a good request rises above the pool within a few ...
+    for _ in range(4):
+        tracker.observe("good", "eagle3", 5, 5)
+    assert tracker.alpha("good", "eagle3") > 0.75
+    # ... and one that always fails is judged as the fixed prior would judge it.
+    for _ in range(20):
+        for t in (tracker, alone):
+            t.observe("bad", "eagle3", 5, 0)
+    assert tracker.upper_bound("bad", "eagle3") == pytest.approx(
+        alone.upper_bound("bad", "eagle3"), abs=1e-4
+    )
+    for _ in range(1000):  # idle: nobody drafts with the head
+        tracker.tick()
+    assert tracker.upper_bound("another", "eagle3") == fixed
+
+
 def test_lookups_are_judged_by_their_estimate_and_a_draft_model_by_its_upper_bound() -> None:
     """Speculating costs 1.3 steps beyond the free drafts below the knee: four drafts pay for a
     decoding request accepting 0.65 a token, not 0.52. Evidence at 0.52 from one-token trials
