@@ -9,12 +9,15 @@ complete, as in HumanEval; bench/policy_workload.py) at every concurrency of --c
 level, c streaming clients hold c chat requests in flight — a client sends its next request
 (greedy, --max-tokens, drawn round-robin from the level's workload) as soon as its last one ends;
 holding the concurrency measures the engine at c, not a ramp-down through every concurrency below
-it. The mode is switched through the operator route `PUT /internal/speculation`, in one of two
+it. Request n of a level asks for max_tokens * (1 - s + 2 s u_n) tokens (--length-spread s, 0.5 by
+default; u_n evenly spread, the same in every mode), so the clients do not start and end their
+requests in step. The mode is switched through the operator route `PUT /internal/speculation`, in one of two
 ways:
 
 - slices (the default, --slice seconds, c / 8 times that past 8 clients): the clients never stop
   for the whole level; the modes take turns, one slice each per round (--rounds), in an order
-  that rotates each round, and each slice's tokens/s is the server's own count for its mode (the
+  that rotates each round, after a lead-in of one slice that is not counted (the clients' first
+  requests arrive together), and each slice's tokens/s is the server's own count for its mode (the
   generation tokens over the seconds of the engine steps decided in it; bench/policy_clients.py).
   On this class of host a level's throughput drifts by up to a fifth between windows minutes
   apart, and slices share that drift, the requests in flight and the prefix cache between the
@@ -109,6 +112,7 @@ class BenchSettings:
     is_cold: bool = False  # empty the prefix cache before each window
     slice: float = 0.0  # > 0: the modes take turns in slices this long under one load
     workloads: tuple[str, ...] = ("mixed",)  # each measured at every concurrency
+    length_spread: float = 0.0  # request n's max_tokens: max_tokens * (1 +- this), see below
 
 
 def levels_of(settings: BenchSettings) -> list[tuple[str, int]]:
@@ -350,6 +354,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
     )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.5,
+        help="requests ask for max_tokens * (1 - s .. 1 + s) tokens, spread evenly and the same "
+        "in every mode, so c clients do not start and end their requests in step (0: all alike)",
+    )
+    parser.add_argument(
         "--code-edit-c1",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -388,6 +399,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchSettings, argpar
         is_cold=args.prefix_cache == "cold",
         slice=max(0.0, args.slice),
         workloads=tuple(args.workloads),
+        length_spread=min(max(0.0, args.length_spread), 0.9),
     )
     return settings, args
 

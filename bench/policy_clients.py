@@ -107,14 +107,16 @@ async def closed_loop(
     end: float,
 ) -> list[RequestResult]:
     """c clients until `end` (the bench's clock): client i sends prompts offset + i,
-    offset + i + c, ... (round-robin), each as soon as its last one ended; the request in flight
-    at `end` is cut off (cancelled)."""
+    offset + i + c, ... (round-robin), each as soon as its last one ended, asking for
+    `request_max_tokens` tokens; the request in flight at `end` is cut off (cancelled)."""
 
     async def one_client(i: int) -> list[RequestResult]:
         results, j = [], 0
         while (left := end - time.perf_counter()) > 0:
-            index = (offset + j * concurrency + i) % len(prompts)
-            body = chat_body(model, prompts[index], settings.max_tokens)
+            number = offset + j * concurrency + i
+            index = number % len(prompts)
+            max_tokens = request_max_tokens(settings.max_tokens, settings.length_spread, number)
+            body = chat_body(model, prompts[index], max_tokens)
             reader = ChatStreamReader(time.perf_counter())
             try:
                 result = await asyncio.wait_for(stream_request(client, body, index, reader), left)
@@ -127,6 +129,17 @@ async def closed_loop(
 
     per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
     return [r for rs in per_client for r in rs]
+
+
+def request_max_tokens(max_tokens: int, spread: float, number: int) -> int:
+    """The max_tokens of a level's request `number`: max_tokens * (1 - spread + 2 spread u),
+    u the fractional part of number times the golden ratio (evenly spread, no two clients alike,
+    the same in every mode). Requests that all ask for the same length start and end in step:
+    at 16 clients all 16 prompts then arrive in one step (3 s of prompt tails on a 2-core CPU,
+    some 15% of a 20-s slice), and which slice that lands in decided the slice's mode's reading
+    more than the mode did."""
+    u = (number * 0.6180339887498949) % 1.0
+    return max(1, round(max_tokens * (1.0 - spread + 2.0 * spread * u)))
 
 
 def level_duration(duration: float, concurrency: int) -> float:
@@ -183,12 +196,15 @@ async def run_sliced(
     schedule: Sequence[tuple[int, str]],
 ) -> tuple[list[RequestResult], list[Slice]]:
     """c closed-loop clients from the workload's start, for one slice (level_duration of
-    settings.slice) per (round, mode) of `schedule`, in its order. At each switch: scrape, switch,
-    scrape again: the mode leaving is counted up to the second scrape (it runs no step after the
-    switch), the mode arriving from the first (it ran none before)."""
+    settings.slice) per (round, mode) of `schedule`, in its order, after a lead-in of one slice
+    in the first slice's mode that is not counted (the c clients' first requests all arrive at
+    once: a burst no slice should carry). At each switch: scrape, switch, scrape again: the mode
+    leaving is counted up to the second scrape (it runs no step after the switch), the mode
+    arriving from the first (it ran none before)."""
     length = level_duration(settings.slice, concurrency)
     async with level_client(url, headers, concurrency) as client:
-        start = time.perf_counter()
+        await switch_mode(client, schedule[0][1])
+        start = time.perf_counter() + length  # the first counted slice's
         end = start + length * len(schedule)
         load = asyncio.create_task(
             closed_loop(client, model, prompts, concurrency, settings, 0, end)
@@ -198,9 +214,7 @@ async def run_sliced(
             for i, (_, mode) in enumerate(schedule):
                 await asyncio.sleep(max(0.0, start + i * length - time.perf_counter()))
                 before = await scrape(client)
-                response = await client.put("/internal/speculation", json={"mode": mode})
-                if response.status_code != 200:
-                    raise RuntimeError(f"could not switch to {mode}: {response.text[:300]}")
+                await switch_mode(client, mode)
                 marks.append((before, await scrape(client), time.perf_counter()))
             results = await load
         finally:
@@ -217,3 +231,9 @@ async def run_sliced(
         tokens, seconds = new[0] - old[0], new[1] - old[1]
         slices.append(Slice(round_index, mode, (at, until), tokens, seconds, share))
     return results, slices
+
+
+async def switch_mode(client: httpx.AsyncClient, mode: str) -> None:
+    response = await client.put("/internal/speculation", json={"mode": mode})
+    if response.status_code != 200:
+        raise RuntimeError(f"could not switch to {mode}: {response.text[:300]}")

@@ -268,19 +268,32 @@ def test_sliced_level_counts_each_mode_from_the_servers_counters(monkeypatch):
     _serve_levels_with(monkeypatch, handler)
     sliced = C.run_sliced("http://x", {}, "m", ["p0", "p1"], 2, settings, schedule)
     results, slices = asyncio.run(sliced)
-    assert state["switches"] == [m for _, m in schedule]
+    # the lead-in (not counted) in the first slice's mode, then a switch per slice
+    assert state["switches"] == [schedule[0][1]] + [m for _, m in schedule]
     assert state["max_open"] == 2 and state["open"] == 0  # one load of c = 2 throughout
     assert all(r.cancelled for r in results) and len(results) == 2  # never stopped in between
     assert [(s.round, s.mode) for s in slices] == schedule
     for s in slices:
         assert s.seconds >= 2 and s.num_tokens / s.seconds == rates[s.mode]
         assert s.share == (0.0 if s.mode == "off" else 1.0)
-    # every step counted once, in its slice, but the one before the first switch (the server
-    # started in auto)
-    assert sum(s.num_tokens for s in slices) == sum(tokens.values()) - rates["auto"]
+    # every step counted once, in its slice, but the lead-in's before the first switch
+    assert sum(s.num_tokens for s in slices) == sum(tokens.values()) - rates[schedule[0][1]]
     windows = [s.window for s in slices]
     assert all(a[1] == b[0] for a, b in itertools.pairwise(windows))  # back to back
     assert 0 < windows[-1][1] - windows[0][0] <= 0.15 * len(schedule)  # inside the level
+
+
+def test_request_lengths_spread_evenly_around_max_tokens():
+    """Requests ask for lengths spread over max_tokens * (1 +- spread), so c clients fall out of
+    step; a level's request n asks for the same length in every mode; spread 0 asks for one."""
+    lengths = [C.request_max_tokens(96, 0.5, n) for n in range(64)]
+    assert min(lengths) >= 48 and max(lengths) <= 144
+    assert abs(sum(lengths) / len(lengths) - 96) < 3
+    assert len(set(lengths)) > 40  # no two clients alike
+    assert all(len(set(lengths[i : i + 16])) == 16 for i in range(0, 64, 16))  # nor in one round
+    assert lengths == [C.request_max_tokens(96, 0.5, n) for n in range(64)]
+    assert {C.request_max_tokens(96, 0.0, n) for n in range(64)} == {96}
+    assert C.request_max_tokens(1, 0.9, 0) == 1
 
 
 def test_workloads_are_distinct_and_code_edits_carry_their_code():
