@@ -112,16 +112,24 @@ class DraftCosts:
         for c, alpha, cap in zip(candidates, alphas, caps, strict=True):
             if c.source in MODEL_SOURCES and cap > 0:
                 best_alpha = max(best_alpha, alpha)
-                share = 1.0
-                if amortised:
-                    left = c.request.max_tokens - c.request.num_output_tokens
-                    share = min(1.0, expected_tokens(alpha, cap) / min(left, CATCH_UP_HORIZON))
-                catch_up += self.catch_up_seconds_per_token * c.num_catch_up * share
+                catch_up += self.catch_up_seconds(c, alpha, cap, amortised)
         # The draft model stops a request at its first unconfident token (where the verify
         # tends to reject), so forward j runs about as often as some request is still accepted
         # so far: the first forward, then E(alpha, depth - 1) - 1 chained ones, not depth - 1.
         chained = self.draft_forward_seconds * (expected_tokens(best_alpha, depth - 1) - 1.0)
         return self.first_seconds + chained + catch_up
+
+    def catch_up_seconds(
+        self, candidate: Candidate, alpha: float, cap: int, amortised: bool = True
+    ) -> float:
+        """The draft model's catch-up on one request drafting up to cap: in full, or amortised,
+        the share of it that this step's expected tokens are of the tokens it buys (see
+        model_seconds)."""
+        share = 1.0
+        if amortised:
+            left = candidate.request.max_tokens - candidate.request.num_output_tokens
+            share = min(1.0, expected_tokens(alpha, cap) / max(1, min(left, CATCH_UP_HORIZON)))
+        return self.catch_up_seconds_per_token * candidate.num_catch_up * share
 
     @property
     def first_seconds(self) -> float:

@@ -210,7 +210,7 @@ class SpeculationPolicy:
             elif sum(ks) >= shape.budget:
                 final.append("budget")
             else:
-                final.append(self._why_not(alphas[i], caps[i], uses_model[i], shape))
+                final.append(self._why_not(candidates[i], alphas[i], caps[i], shape))
         return ks, final, catch_up
 
     def _allocate(
@@ -291,18 +291,25 @@ class SpeculationPolicy:
                 ks = other
         return ks
 
-    def _why_not(self, alpha: float, cap: int, uses_model: bool, shape: StepShape) -> str:
+    def _why_not(self, candidate: Candidate, alpha: float, cap: int, shape: StepShape) -> str:
         """A request left at 0 is compute_bound when drafting would pay for it alone, one
-        decoding sequence as long as this step's (the batch's load stopped it), else
+        decoding sequence as long as this step's, its draft model's catch-up charged as the
+        allocation charges it (the batch's load stopped it); catch_up_cost when it would pay
+        alone once the draft model is current but not with the catch-up to get there; else
         low_acceptance."""
+        uses_model = candidate.source in MODEL_SOURCES
         length = round(shape.reads_per_draft)
         alone = StepShape(1, 1, length, cap, 1, reads_per_draft=shape.reads_per_draft)
         plain = goodput([alpha], [0], alone, self.step_model)
+        catch_up = self.costs.catch_up_seconds(candidate, alpha, cap) if uses_model else 0.0
+        pays_when_current = False
         for k in range(1, cap + 1):
-            cost = _once(self.costs.alone(alpha, k, uses_model))
-            if goodput([alpha], [k], alone, self.step_model, cost) > plain:
+            seconds = self.costs.alone(alpha, k, uses_model)
+            if goodput([alpha], [k], alone, self.step_model, _once(seconds + catch_up)) > plain:
                 return "compute_bound"
-        return "low_acceptance"
+            if goodput([alpha], [k], alone, self.step_model, _once(seconds)) > plain:
+                pays_when_current = True
+        return "catch_up_cost" if pays_when_current else "low_acceptance"
 
     # ---------------------------------------------------------------------------- learning
 

@@ -27,6 +27,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "utilization",  # the device is at least spec_disable_utilization busy
     "compute_bound",  # drafts would pay alone, not in this step's batch
     "catch_up",  # the draft model catches up on the request first, a bounded chunk per step
+    "catch_up_cost",  # drafts would pay once the draft model is current, not its catch-up
     "low_acceptance",  # drafts would not pay even alone
     "budget",  # always: the step's token budget is spent
     "kv_cache_full",  # granted, but the KV pool had no room for the drafts

@@ -27,6 +27,7 @@ SKIP_REASONS = (
     "utilization",
     "compute_bound",
     "low_acceptance",
+    "catch_up_cost",
     "mode_off",
 )
 

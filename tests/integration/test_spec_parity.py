@@ -85,7 +85,7 @@ def test_greedy_auto_policy_is_lossless(target, random_draft, expected, method):
     assert set(decisions) <= {("speculate", "goodput")} | {
         # catch_up: a step of the draft model's catch-up in chunks (its timings decide when).
         ("skip", r)
-        for r in ("compute_bound", "low_acceptance", "catch_up")
+        for r in ("compute_bound", "low_acceptance", "catch_up", "catch_up_cost")
     }
 
 

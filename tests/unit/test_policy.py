@@ -456,6 +456,30 @@ def test_a_catch_up_priced_as_a_share_is_predicted_in_full_for_the_correction() 
     assert policy.costs.correction == pytest.approx(1.0, abs=1e-6)
 
 
+def test_a_draft_model_too_far_behind_to_repay_its_catch_up_is_skipped_for_that() -> None:
+    """At batch 1 a draft model accepting 0.9 pays when current; 5,000 tokens behind with 60
+    tokens left to generate, the catch-up its drafts would have to repay does not: the skip says
+    catch_up_cost, not compute_bound (nothing in the batch stopped it) nor low_acceptance. A
+    draft model that would not pay even when current is low_acceptance, behind or not."""
+    policy = SpeculationPolicy(
+        "auto", 4, FlatThenLinear(), draft_forward_seconds=0.1, catch_up_seconds_per_token=0.01
+    )
+    policy.tracker = FixedAlphas({"near": 0.9, "far": 0.9, "weak": 0.02})  # type: ignore[assignment]
+    step = StepShape(1, 1, 0, 256, 1)
+
+    def decide(name: str, num_catch_up: int) -> tuple[int, str]:
+        request = Request(name, [1, 2, 3], SamplingParams(max_tokens=64), 64)
+        request.output_token_ids.extend([5, 6, 7, 8])
+        candidate = Candidate(request, 4, "draft_model", num_catch_up=num_catch_up)
+        (decision,) = policy.decide([candidate], step)
+        return decision.num_draft_tokens, decision.reason
+
+    assert decide("near", 0)[0] > 0
+    assert decide("far", 5000) == (0, "catch_up_cost")
+    assert decide("weak", 0) == (0, "low_acceptance")
+    assert decide("weak", 5000) == (0, "low_acceptance")
+
+
 def test_the_mode_switches_between_steps_and_auto_needs_a_calibrated_model() -> None:
     candidates = [
         Candidate(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64), 4, "ngram")
