@@ -9,10 +9,10 @@ complete, as in HumanEval; bench/policy_workload.py) at every concurrency of --c
 level, c streaming clients hold c chat requests in flight — a client sends its next request
 (greedy, --max-tokens, drawn round-robin from the level's workload) as soon as its last one ends;
 holding the concurrency measures the engine at c, not a ramp-down through every concurrency below
-it. Request n of a level asks for max_tokens * (1 - s + 2 s u_n) tokens (--length-spread s, 0.5 by
-default; u_n evenly spread, the same in every mode), so the clients do not start and end their
-requests in step. The mode is switched through the operator route `PUT /internal/speculation`, in one of two
-ways:
+it. Request n of a level asks for max_tokens * (1 - s + 2 s u_n) tokens (--length-spread s, 0.5
+by default; u_n evenly spread, the same in every mode), so the clients do not start and end their
+requests in step. The mode is switched through the operator route `PUT /internal/speculation`, in
+one of two ways:
 
 - slices (the default, --slice seconds, c / 8 times that past 8 clients): the clients never stop
   for the whole level; the modes take turns, one slice each per round (--rounds), in an order

@@ -4,7 +4,8 @@ HTTP, no mode switches), each mode in turn on a fresh engine of the config.
 Where the sliced HTTP bench (bench/policy.py) reads a host's drift as much as the policy, this
 shows what auto decided and why: per mode, tokens/s over the whole run, engine steps, the
 policy's decisions by reason, the catch-up tokens it granted, drafts and accepted drafts per
-source, and the seconds of drafting and of verify steps. Requests are greedy, --max-tokens long,
+source, the seconds of drafting and of verify steps, and what the policy ended up pricing a draft
+model's forward and a token of its catch-up at. Requests are greedy, --max-tokens long,
 drawn round-robin from the workload (bench/policy_workload.py), c held in flight; every prompt is
 in the prefix cache first (a 1-token request each).
 
@@ -82,6 +83,7 @@ def run(
     generated = engine.metrics.num_generation_tokens - generated_before
     decisions = decisions_since(engine, decisions_before)
     spec_stats = engine.spec_stats
+    costs = engine.speculator.policy.costs
     return {
         "mode": mode,
         "tokens_per_s": generated / seconds,
@@ -97,6 +99,9 @@ def run(
         },
         "draft_seconds": spec_stats.draft_time,
         "verify_seconds": spec_stats.verify_time,
+        # what the policy prices a draft model's forward and a token of its catch-up at, at the end
+        "draft_forward_seconds": costs.draft_forward_seconds,
+        "catch_up_seconds_per_token": costs.catch_up_seconds_per_token,
     }
 
 

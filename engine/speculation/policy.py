@@ -307,8 +307,10 @@ class SpeculationPolicy:
             seconds = self.costs.alone(alpha, k, uses_model)
             if goodput([alpha], [k], alone, self.step_model, _once(seconds + catch_up)) > plain:
                 return "compute_bound"
-            if goodput([alpha], [k], alone, self.step_model, _once(seconds)) > plain:
-                pays_when_current = True
+            pays_when_current = pays_when_current or (
+                catch_up > 0.0
+                and goodput([alpha], [k], alone, self.step_model, _once(seconds)) > plain
+            )
         return "catch_up_cost" if pays_when_current else "low_acceptance"
 
     # ---------------------------------------------------------------------------- learning
