@@ -135,9 +135,9 @@ def request_max_tokens(max_tokens: int, spread: float, number: int) -> int:
     """The max_tokens of a level's request `number`: max_tokens * (1 - spread + 2 spread u),
     u the fractional part of number times the golden ratio (evenly spread, no two clients alike,
     the same in every mode). Requests that all ask for the same length start and end in step:
-    at 16 clients all 16 prompts then arrive in one step (3 s of prompt tails on a 2-core CPU,
-    some 15% of a 20-s slice), and which slice that lands in decided the slice's mode's reading
-    more than the mode did."""
+    at 16 clients all 16 prompts then arrive together (on a 2-core CPU seconds of prompt tails,
+    a good share of a 20-s slice), and which slice that lands in decided the slice's mode's
+    reading more than the mode did (docs/policy.md, "On an AVX2 host, by workload")."""
     u = (number * 0.6180339887498949) % 1.0
     return max(1, round(max_tokens * (1.0 - spread + 2.0 * spread * u)))
 
