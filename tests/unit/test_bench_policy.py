@@ -577,6 +577,43 @@ def test_auto_vs_best_pairs_the_rounds_and_judges_the_median():
     assert PR.auto_vs_best([x for x in levels if x.mode == "auto"]) == {}
 
 
+def test_pooled_ratios_weigh_each_slice_by_its_seconds():
+    # One client, code edits: each slice held a request or two, so rounds pair different edits.
+    def level(mode, round, tokens, seconds):
+        return W.LevelResult(
+            mode,
+            "code_edit",
+            1,
+            2,
+            0,
+            tokens,
+            seconds,
+            tokens / seconds,
+            0.1,
+            0.2,
+            0.01,
+            0.02,
+            None,
+            round=round,
+        )
+
+    slices = [(120, 10.0, 240, 10.0), (120, 10.0, 130, 10.0), (60, 5.0, 130, 10.0)]
+    levels = []
+    for r, (off_tokens, off_s, auto_tokens, auto_s) in enumerate(slices):
+        levels += [level("off", r, off_tokens, off_s), level("auto", r, auto_tokens, auto_s)]
+    targets = PR.check_targets(levels)
+    assert targets["code_edit_c1_per_round"] == pytest.approx([2.0, 130 / 120, 13 / 12])
+    assert targets["code_edit_c1_auto_over_off"] == pytest.approx(13 / 12)  # the median
+    # pooled: 500 tokens in 30 s against 300 in 25 s
+    assert targets["code_edit_c1_pooled"] == pytest.approx((500 / 30) / (300 / 25))
+    gap = PR.auto_vs_best(levels, "code_edit")[1]
+    assert gap.pooled == pytest.approx((500 / 30) / (300 / 25) - 1)
+    report = PR.report(levels)
+    assert "(pooled over the rounds: 1.39x)" in report
+    assert "+8.3% median, +38.9% pooled" in report
+    assert PR.pooled([level("auto", 0, 10, 1.0)], [level("off", 0, 0, 1.0)]) is None
+
+
 def test_format_table_shows_the_medians_their_range_and_the_ratio_to_off():
     table = PR.format_table([_level("auto", 2, 30.0, share=0.5), _level("off", 2, 20.0)])
     rows = table.splitlines()[2:]
