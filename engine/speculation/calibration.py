@@ -75,9 +75,13 @@ _VERIFY_NUM_SEQS = (1, 4, 8)
 QUIET_SPREAD = 1.3
 
 
-def calibration_grid(max_num_batched_tokens: int) -> list[int]:
-    """The n to time: the base grid up to the budget, and the budget itself."""
-    grid = [n for n in _BASE_GRID if n < max_num_batched_tokens]
+def calibration_grid(max_num_batched_tokens: int, max_query_len: int = 1) -> list[int]:
+    """The n to time: the base grid and every n up to max_query_len (1 + K: each size a verify
+    step of one request can have, timed rather than interpolated; on AVX2 a fifth row starts a
+    second pass over the weights, a step the grid's 4 and 8 would not show) below the budget,
+    and the budget itself."""
+    small = set(range(1, max_query_len + 1))
+    grid = sorted(n for n in small.union(_BASE_GRID) if n < max_num_batched_tokens)
     return [*grid, max_num_batched_tokens]
 
 
@@ -179,8 +183,8 @@ def measure(
     by `served_query_lens`, each sequence after `context` cached positions, one logits row) and
     `batch_timer(num_seqs, num_tokens)` replace real forwards (tests); with a timer and no
     batch_timer the row cost is left at 0."""
-    grid = calibration_grid(min(max_num_batched_tokens, max_model_len))
     max_query_len = verify_query_len(runner.config)
+    grid = calibration_grid(min(max_num_batched_tokens, max_model_len), max_query_len)
     # A served step holds a block per sequence at least: no more sequences than the pool has.
     max_num_seqs = min(runner.config.max_num_seqs, block_manager.num_blocks)
 
@@ -366,7 +370,7 @@ def _cache_key(
         torch.__version__,
         runner.backend.name,
         str(runner.block_size),
-        str(calibration_grid(max_num_batched_tokens)),
+        str(calibration_grid(max_num_batched_tokens, verify_query_len(config))),
         str(max_model_len),
         # The path and shape of the timed steps: graphs replayed or eager, and which buckets.
         f"enforce_eager={config.enforce_eager}",

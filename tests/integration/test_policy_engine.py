@@ -223,6 +223,21 @@ def test_calibration_fits_what_it_times(target) -> None:
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_calibration_times_every_verify_size_of_one_request(target) -> None:
+    # A fifth row costing a second pass over the weights (AVX2's four-row tiles): the grid's 4
+    # and 8 alone would price 5 tokens at 0.5 and 6 at 0.6; each size up to 1 + K is timed.
+    engine = _engine_llm(target, "ngram", mode="always").engine  # K = 4: sizes 1 to 5
+
+    def two_passes(n: int, context: int) -> float:
+        return 0.1 * n + (0.2 if n > 4 else 0.0)
+
+    model = measure(engine.runner, engine.block_manager, 64, engine.max_model_len, timer=two_passes)
+    assert {1, 2, 3, 4, 5} <= set(model.model.grid)
+    for n in (1, 2, 3, 4, 5):
+        assert model.model.predict(n) == pytest.approx(two_passes(n, 0))
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_steps_and_shapes_count_the_attentions_kv_reads(target) -> None:
     """The context the step-time model prices is what attention reads: a prompt of P tokens
     P (P + 1) / 2, a decode token after s cached positions s + 1, a verify of 1 + k tokens

@@ -140,9 +140,10 @@ def test_every_timed_step_takes_the_path_its_served_shape_takes():
             assert all(len(c.token_ids) <= 1 + NUM_DRAFTS for c in chunks)
         else:
             assert not replayed and len(chunks) == 1
-    assert set(calibration_grid(BUDGET)) <= timed_sizes
+    grid = calibration_grid(BUDGET, 1 + NUM_DRAFTS)
+    assert set(range(1, 2 + NUM_DRAFTS)) <= set(grid) <= timed_sizes  # every verify size timed
     eager_sizes = {n for n in timed_sizes if n > CAPTURED_TOKENS}
-    assert eager_sizes == {n for n in calibration_grid(BUDGET) if n > CAPTURED_TOKENS}
+    assert eager_sizes == {n for n in grid if n > CAPTURED_TOKENS}
 
 
 def test_the_fit_prices_served_steps_as_they_replay():
