@@ -1,0 +1,61 @@
+"""bench/lookup_ceiling.py's replay: steps, drafts and prices counted as the engine would."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import lookup_ceiling as LC  # noqa: E402
+
+from engine.speculation.ngram import NgramProposer  # noqa: E402
+
+
+def _by_tokens(n: int, cached: int) -> float:
+    return float(n)  # a step costs its tokens: drafts that fail are paid for
+
+
+ANSWERS = [([1, 2, 3, 4, 5], [1, 2, 3, 9, 8, 7, 6])]
+
+
+def test_a_replay_takes_the_matching_prefix_and_one_token_more():
+    # (4, 5) and (5, 1) occur nowhere earlier: two plain steps; then (1, 2) drafts 3, 4, 5, of
+    # which 3 matches, and the step takes 3 and the answer's 9; (3, 9), (9, 8) are new again and
+    # the last token has no room for a draft.
+    r = LC.replay(ANSWERS, lambda: NgramProposer(4, 2), 3, _by_tokens)
+    assert (r.steps, r.tokens, r.drafted, r.accepted, r.unmatched) == (6, 7, 3, 1, 4)
+    assert r.seconds == pytest.approx(1 + 1 + 4 + 1 + 1 + 1)
+    assert r.plain_seconds == pytest.approx(7)
+    assert r.speedup == pytest.approx(7 / 9)
+
+
+def test_the_oracle_pays_only_for_what_is_accepted():
+    r = LC.replay(ANSWERS, lambda: NgramProposer(4, 2), 8, _by_tokens, oracle=True)
+    assert (r.steps, r.drafted, r.accepted) == (6, 1, 1)
+    assert r.speedup == pytest.approx(7 / 7)
+    # an answer that copies its prompt: two plain steps until (7, 8) recurs, then the rest in one
+    copy = [([7, 8, 1, 2, 3, 4, 5, 6], [7, 8, 1, 2, 3, 4, 5, 6])]
+    r = LC.replay(copy, lambda: NgramProposer(4, 2), 8, _by_tokens, oracle=True)
+    assert (r.steps, r.tokens, r.accepted) == (3, 8, 5)
+    assert r.speedup == pytest.approx(8 / (1 + 1 + 6))
+
+
+def test_a_proposer_gets_the_context_priced_as_cached_tokens():
+    seen = []
+
+    def price(n: int, cached: int) -> float:
+        seen.append((n, cached))
+        return 1.0
+
+    LC.replay(ANSWERS, lambda: NgramProposer(4, 2), 1, price)
+    steps = [s for s in seen if s[0] > 1 or s[1] >= 5]
+    assert (2, 7) in steps  # the third step: a draft of 1 on 7 cached tokens
+
+
+def test_unreachable_share_counts_tokens_lookup_has_no_draft_for():
+    # contexts ending (4, 5), (5, 1), (3, 9), (9, 8), (8, 7) have no earlier copy; (1, 2), (2, 3) do
+    assert LC.lookup_unreachable(ANSWERS, 2) == pytest.approx(5 / 7)
+    assert LC.lookup_unreachable([([1, 2], [])], 2) == 0.0
