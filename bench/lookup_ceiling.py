@@ -103,7 +103,7 @@ def replay(
             out.plain_seconds += price(1, cached)
             # no draft past the answer's end: its last token is the step's own
             room = len(answer) - done - 1
-            draft = proposer._propose_one(request, min(k, room))
+            (draft,) = proposer.propose([request], [min(k, room)])  # type: ignore[list-item]
             drafted = list(draft.token_ids) if draft is not None else []
             accepted = 0
             while (
