@@ -135,7 +135,8 @@ class StaticTritonMetadata:
         """Lay out `layout` (the real step) padded to `num_tokens` tokens, as the class says,
         and copy it into the device tensors (non-blocking from pinned memory on CUDA)."""
         bs, n, r, t = self.block_size, layout.num_tokens, layout.num_reqs, num_tokens
-        assert layout.block_size == bs and n <= t <= self.max_tokens and r < self.max_tokens
+        # r <= n: a step that fills its graph (n == t) needs r rows, a padded one r + 1 <= t.
+        assert layout.block_size == bs and r <= n <= t <= self.max_tokens
         h = self._host
         token_seq, token_pos = token_positions(layout)
         h.slot_mapping[:n].copy_(layout.slot_mapping)

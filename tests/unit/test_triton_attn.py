@@ -68,3 +68,32 @@ def test_auto_on_cuda_without_flash_attn_is_triton(monkeypatch):
     # Neither: the torch reference.
     fake_cuda_node(monkeypatch, flash_attn=False, triton=False)
     assert EngineConfig(model="m").attention_backend == "torch"
+
+
+@needs_triton
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_static_metadata_fills_every_graph_size_up_to_a_full_one(max_tokens):
+    """A step may fill its graph exactly: as many one-token requests as the largest graph holds
+    (a one-sequence engine's only graph, or every request decoding), with no pad row. Each real
+    token keeps its request's row, position and slot; padded tokens point at the pad row, whose
+    blocks are all the pad block. (On an H200 the one-sequence and the four-decode cases failed.)"""
+    from engine.attention import triton_attn
+    from tests.attention_cases import make_case
+
+    pad_block = 99
+    meta = triton_attn.StaticTritonMetadata(max_tokens, 8, 16, torch.device("cpu"))
+    for t in range(1, max_tokens + 1):
+        for r in range(1, t + 1):
+            case = make_case([1] * r, [3 + 5 * i for i in range(r)], 16)
+            meta.fill(case.layout, t, pad_block)
+            view = meta.view(t, 1, 1)
+            token_seq, token_pos = triton_attn.token_positions(case.layout)
+            assert view.token_seq[:r].tolist() == token_seq.tolist()
+            assert view.token_pos[:r].tolist() == token_pos.tolist()
+            assert view.slot_mapping[:r].tolist() == case.layout.slot_mapping.tolist()
+            assert view.token_seq[r:].tolist() == [r] * (t - r)
+            assert view.slot_mapping[r:].tolist() == [pad_block * 16 + j for j in range(t - r)]
+            for i, blocks in enumerate(case.layout.block_tables):
+                assert view.block_table[i, : len(blocks)].tolist() == list(blocks)
+            if t > r:
+                assert set(view.block_table[r].tolist()) == {pad_block}
