@@ -238,8 +238,9 @@ def measure(
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
     timed(1, 0)
     short[1] = min(t1_seconds)  # the grid starts at 1
-    values = [short[n] - context_coef * _reads(shape(n)) for n in grid]
-    model = StepTimeModel(grid, pool_adjacent_violators(values, [1.0] * len(values)), context_coef)
+    values = pool_adjacent_violators([short[n] for n in grid], [1.0] * len(grid))
+    reads = [_reads(shape(n)) for n in grid]  # in v already: the context term prices the rest
+    model = StepTimeModel(grid, values, context_coef, base_reads=reads)
     if batch_timer is not None:
         shapes = [(s, max_query_len) for s in _VERIFY_NUM_SEQS if s <= max_num_seqs]
         model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1], shapes)
@@ -347,6 +348,8 @@ def load_or_calibrate(
 def is_plausible(model: StepTimeModel) -> bool:
     """A forward over 64+ tokens costs visibly more than over one on any real device; a fit that
     says otherwise was timed while something else held the machine, and must not be cached."""
+    if model.predict(1) <= 0.0:
+        return False
     return model.grid[-1] < 64 or model.predict(model.grid[-1]) >= 1.2 * model.predict(1)
 
 

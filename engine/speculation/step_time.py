@@ -1,18 +1,23 @@
 """The policy's cost model: how long one target step takes, learned from measured steps.
 
-t(n, context, rows) = v(n) + c * context + r * (rows - 1), where n is the step's query tokens,
-context its attention's KV reads (`attention_reads`: each query token reads every position up to
-its own, so a sequence's chunk of q tokens after s cached ones reads q * s + q (q + 1) / 2) and
-rows the logits rows it computes and verifies (one per sampling sequence plus one per draft
-token). Reads, not the sum of the sequences' lengths: a decode token over 2,048 cached positions
-costs the same attention whether it is alone or a verify row beside 7 drafts, and a single
-length per sequence priced the verify's rows (and, calibrated on 8-token chunks, every decode
-step) wrong by up to 8x. v is calibrated on forwards shaped as served steps of n tokens are
-(n one-token sequences, or verify chunks of 1 + K, past that a prompt chunk), with one logits
-row (engine/speculation/calibration.py), so on a GPU they replay the graphs served steps do; r, the cost of a row beyond the first, is calibrated on
-multi-sequence batches shaped like verify steps (every row scored). A draft token
-costs v's slope plus r: without r, a batch of sixteen sequences verifying four drafts each was
-priced like an 80-token prompt chunk, which computes one logits row where the verify computes 80.
+t(n, context, rows) = v(n) + c * max(context - R(n), 0) + r * (rows - 1), where n is the step's
+query tokens, context its attention's KV reads (`attention_reads`: each query token reads every
+position up to its own, so a sequence's chunk of q tokens after s cached ones reads
+q * s + q (q + 1) / 2) and rows the logits rows it computes and verifies (one per sampling
+sequence plus one per draft token). Reads, not the sum of the sequences' lengths: a decode token
+over 2,048 cached positions costs the same attention whether it is alone or a verify row beside 7
+drafts, and a single length per sequence priced the verify's rows (and, calibrated on 8-token
+chunks, every decode step) wrong by up to 8x. v is calibrated on forwards shaped as served steps
+of n tokens are (n one-token sequences, or verify chunks of 1 + K, past that a prompt chunk),
+with one logits row (engine/speculation/calibration.py), so on a GPU they replay the graphs
+served steps do. R(n) is the reads those calibration shapes made themselves (their queries
+reading their own positions), already in v: c prices only reads beyond them. (Subtracting
+c * R(n) from v instead drove v below zero on a GPU, where a 4,096-token chunk's 8 million reads
+run in parallel and cost far less than c, timed on a few queries, says.) r, the cost of a row
+beyond the first, is calibrated on multi-sequence batches shaped like verify steps (every row
+scored). A draft token costs v's slope plus r: without r, a batch of sixteen sequences verifying
+four drafts each was priced like an 80-token prompt chunk, which computes one logits row where
+the verify computes 80.
 """
 
 from __future__ import annotations
@@ -41,6 +46,22 @@ class StepTimePredictor(Protocol):
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float: ...
 
 
+class MemoPredictor:
+    """A predictor's answers, each computed once: for the span of one decision, when the model
+    does not change."""
+
+    def __init__(self, model: StepTimePredictor) -> None:
+        self._model = model
+        self._seen: dict[tuple[int, int, int], float] = {}
+
+    def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
+        key = (n, context, rows)
+        seconds = self._seen.get(key)
+        if seconds is None:
+            seconds = self._seen[key] = self._model.predict(n, context, rows)
+        return seconds
+
+
 class StepTimeModel:
     """t(n, context, rows) = v(n) + c * context + r * (rows - 1), v piecewise linear over a grid
     of n and non-decreasing.
@@ -61,13 +82,19 @@ class StepTimeModel:
         row_coef: float = 0.0,
         knee_threshold: float = KNEE_THRESHOLD,
         rate: float = STEP_TIME_RATE,
+        base_reads: Sequence[float] | None = None,
     ) -> None:
         if not grid or len(grid) != len(values) or list(grid) != sorted(set(grid)) or grid[0] < 1:
             raise ValueError(f"grid must be strictly increasing positive ints, got {grid}")
+        if base_reads is not None and len(base_reads) != len(grid):
+            raise ValueError("base_reads needs one value per grid point")
         self.grid = [int(g) for g in grid]
         self.values = _non_decreasing([max(float(v), 0.0) for v in values])
         self.context_coef = max(float(context_coef), 0.0)
         self.row_coef = max(float(row_coef), 0.0)
+        # The KV reads each grid point's own timing already holds (its shape's queries reading
+        # their own positions): only reads beyond them are priced at context_coef.
+        self.base_reads = [max(float(r), 0.0) for r in (base_reads or [0.0] * len(self.grid))]
         self.knee_threshold = knee_threshold
         self.rate = rate
 
@@ -101,13 +128,20 @@ class StepTimeModel:
         return cls(grid, values, context_coef, **kw)
 
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
-        if n <= self.grid[0]:
-            base = self.values[0]
-        elif n >= self.grid[-1]:
-            base = self.values[-1] + self._last_slope() * (n - self.grid[-1])
+        # Called hundreds of times a step by the policy: one bisection, no temporaries.
+        grid, values, reads = self.grid, self.values, self.base_reads
+        if n <= grid[0]:
+            base, included = values[0], reads[0]
+        elif n >= grid[-1]:
+            base, included = values[-1] + self._last_slope() * (n - grid[-1]), reads[-1]
         else:
-            base = sum(w * v for w, v in zip(_hat_weights(self.grid, n), self.values, strict=True))
-        return base + self.context_coef * max(context, 0) + self.row_coef * max(rows - 1, 0)
+            hi = bisect.bisect_right(grid, n)
+            lo = hi - 1
+            frac = (n - grid[lo]) / (grid[hi] - grid[lo])
+            base = values[lo] + frac * (values[hi] - values[lo])
+            included = reads[lo] + frac * (reads[hi] - reads[lo])
+        extra = context - included if context > included else 0.0
+        return base + self.context_coef * extra + self.row_coef * (rows - 1 if rows > 1 else 0)
 
     def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
         """Move the grid values around n a step `rate` toward one measured step time."""
@@ -134,9 +168,10 @@ class StepTimeModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": 3,
+            "version": 4,
             "grid": list(self.grid),
             "values": list(self.values),
+            "base_reads": list(self.base_reads),
             "context_coef": self.context_coef,
             "row_coef": self.row_coef,
             "knee_threshold": self.knee_threshold,
@@ -145,8 +180,10 @@ class StepTimeModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepTimeModel:
-        # Version 1 had no row cost, 2 a context of sequence lengths: calibrate again.
-        if data.get("version") != 3:
+        # Version 1 had no row cost, 2 a context of sequence lengths, 3 grid values less their
+        # shapes' own reads at the context slope (negative on a GPU, whose attention runs the
+        # queries in parallel, and clamped to zero): calibrate again.
+        if data.get("version") != 4:
             raise ValueError(f"unknown step-time model version {data.get('version')!r}")
         return cls(
             data["grid"],
@@ -155,6 +192,7 @@ class StepTimeModel:
             data["row_coef"],
             data["knee_threshold"],
             data["rate"],
+            data["base_reads"],
         )
 
     def _slope(self, j: int) -> float:

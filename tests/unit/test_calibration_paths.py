@@ -162,3 +162,47 @@ def test_the_fit_prices_served_steps_as_they_replay():
     assert model.predict(BUDGET, attention_reads(0, BUDGET)) == pytest.approx(
         _cost([SeqChunk([0] * BUDGET, 0, [0], 1)], None), rel=1e-6
     )
+
+
+def test_a_device_that_attends_in_parallel_keeps_every_timing_in_the_fit():
+    """On a GPU a step's queries attend at once: a step costs its longest row's keys, not the sum
+    of every row's. A slope timed on a few decode queries at a long context then prices a
+    4,096-token prompt chunk's 8 million own reads far above what the chunk took; subtracting
+    them from the grid drove the values below zero (an H200 logged t(1) = 0.0 ms and
+    t(4096) = 0.0 ms), and every price the policy read was wrong. Each grid point now keeps its
+    timing, and only reads beyond its own shape's are priced at the slope."""
+    per_key = 1e-6
+    budget = MAX_MODEL_LEN
+
+    class ParallelRunner(GraphedRunner):
+        def forward(self, chunks: Sequence[SeqChunk]) -> None:
+            bucket = choose_bucket(SIZES, MAX_MODEL_LEN, chunks)
+            self.steps.append((list(chunks), bucket is not None))
+            serial = _cost(chunks, None if bucket is None else bucket.num_tokens)
+            reads = sum(attention_reads(c.start, len(c.token_ids)) for c in chunks)
+            longest = max(c.start + len(c.token_ids) for c in chunks)
+            self.device.seconds += serial - PER_READ * reads + per_key * longest
+
+    runner = ParallelRunner()
+    blocks = BlockManager(num_blocks=600, block_size=16)
+    model = measure(runner, blocks, budget, MAX_MODEL_LEN, repeats=1).model  # type: ignore[arg-type]
+    timed = {}  # grid point -> (its shape's own reads, what its one-row step took)
+    for chunks, replayed in runner.steps:
+        n = sum(len(c.token_ids) for c in chunks)
+        if all(c.start == 0 for c in chunks) and sum(c.num_logits for c in chunks) == 1:
+            reads = sum(attention_reads(0, len(c.token_ids)) for c in chunks)
+            longest = max(len(c.token_ids) for c in chunks)
+            body = _cost(chunks, None) if not replayed else None
+            if body is None:
+                bucket = choose_bucket(SIZES, MAX_MODEL_LEN, chunks)
+                body = _cost(chunks, bucket.num_tokens)
+            timed[n] = (reads, body - PER_READ * reads + per_key * longest)
+    assert model.grid[-1] == budget and set(model.grid) <= set(timed)
+    assert model.context_coef > 0.0
+    for n in model.grid:
+        reads, seconds = timed[n]
+        assert model.predict(n, reads) == pytest.approx(seconds, rel=1e-6), n
+    assert model.predict(1) == pytest.approx(GRAPH_BASE + GRAPH_PER_TOKEN + PER_ROW + per_key)
+    # A decode step still pays for its context: more cached positions, a dearer step.
+    assert model.predict(8, 8 * attention_reads(1000, 1)) > model.predict(8, 8 * 1)
+    assert calibration.is_plausible(model)
