@@ -52,7 +52,7 @@ def goodput(
 ) -> float:
     """Predicted tokens per second of a step that verifies ks on top of the shape's tokens."""
     num_drafts = sum(ks)
-    seconds = _seconds(shape, model, draft_cost, num_drafts)
+    seconds = step_seconds(shape, model, draft_cost, num_drafts)
     tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
 
@@ -82,7 +82,7 @@ def best_draft_lengths(
     tokens = float(len(alphas))
     best, best_len, picks = -math.inf, 0, list[int]()
     while True:
-        seconds = _seconds(shape, model, draft_cost, len(picks))
+        seconds = step_seconds(shape, model, draft_cost, len(picks))
         value = tokens / seconds if seconds > 0 else math.inf
         if value > best:
             best, best_len = value, len(picks)
@@ -101,9 +101,10 @@ def best_draft_lengths(
     return ks
 
 
-def _seconds(
+def step_seconds(
     shape: StepShape, model: StepTimePredictor, draft_cost: DraftCost, num_drafts: int
 ) -> float:
+    """Predicted seconds of the step with num_drafts draft tokens on top, drafting included."""
     return model.predict(
         shape.base_tokens + num_drafts,
         shape.context_with(num_drafts),
