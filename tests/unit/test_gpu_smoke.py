@@ -137,6 +137,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
     assert [(e["engine"]["graphs"], e["engine"]["batch_invariant"]) for e in engines] == [
         (True, False),
         (False, False),
+        (True, False),
         (True, True),
         (True, False),
     ]
@@ -152,6 +153,21 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         ("off", c) for c in INVARIANT_CONCURRENCIES
     ]
     assert all(p["num_tokens"] > 0 and p["acceptance"] is None for p in invariant["points"])
+    ngram = engines.pop()
+    assert ngram["engine"]["speculation"] == "ngram"
+    assert [(p["mode"], p["concurrency"]) for p in ngram["points"]] == [
+        ("auto", c) for c in CONCURRENCIES
+    ]
+    for p in ngram["points"]:
+        # Every step of the point is in the breakdown, split by whether it verified drafts; the
+        # policy's decisions (one per request a lookup found a draft for) counted by reason.
+        steps = p["steps"]
+        split = [steps[k] for k in ("with_drafts", "without_drafts") if k in steps]
+        assert sum(s["steps"] for s in split) == p["num_steps"]
+        assert all(s["forward_ms"] > 0 and s["rest_ms"] >= 0 for s in split)
+        decided = steps["decisions"]
+        assert all(k.split("/")[0] in ("speculate", "skip") and n > 0 for k, n in decided.items())
+        assert decided.get("speculate/goodput", 0) >= steps.get("with_drafts", {}).get("steps", 0)
     for engine in engines:
         facts = engine["engine"]
         assert facts["num_kv_blocks"] > 0 and facts["num_graph_buckets"] == 0  # no graphs on CPU
@@ -171,7 +187,12 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
 
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert table[0] == "| " + " | ".join(COLUMNS) + " |"
-    assert len(table) == 2 + 2 * len(MODES) * len(CONCURRENCIES) + 2 * len(INVARIANT_CONCURRENCIES)
+    assert len(table) == (
+        2
+        + 2 * len(MODES) * len(CONCURRENCIES)
+        + len(CONCURRENCIES)
+        + 2 * len(INVARIANT_CONCURRENCIES)
+    )
     assert printed.rstrip().endswith("===== gpu-smoke: PASS")
 
 

@@ -33,11 +33,13 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict[str, Any] = {"device": device, "dry_run": dry, "require": args.require}
     out = _out_path(args.out)
+    result["out"] = str(out)
+    # A machine's time limit ends the run with SIGTERM: end it as an exception, so the stages
+    # done so far are written below rather than lost.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return _run_stages(args, device, result)
+    except KeyboardInterrupt:
+        result.update(verdict="FAIL", interrupted=True)
+        _say("gpu-smoke: interrupted", [])
+        return 1
     finally:
         result["seconds"] = round(time.perf_counter() - started, 1)
         _write(out, result)
@@ -93,14 +103,20 @@ def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any]) -
         _say("FAIL before any check", problems)
         return 2
     passed = True
+    out = Path(result["out"])
+    _write(out, result)
     if not args.skip_checks:
-        result["checks"] = run_checks(args.tests, args.require, device)
+        result["checks"] = run_checks(args.tests, args.require, device, out.parent)
         passed = result["checks"]["exit_status"] == 0
+        _write(out, result)
     if not args.skip_bench:
         from tests.gpu.smoke.report import bench_failures, markdown_table
 
         result["bench"] = run_bench(
-            device, args.duration or (1.0 if device == "cpu" else 20.0), args.seed
+            device,
+            args.duration or (1.0 if device == "cpu" else 20.0),
+            args.seed,
+            lambda: _write(out, result),
         )
         failures = bench_failures(result["bench"])
         result["bench"]["failures"] = failures
@@ -129,9 +145,12 @@ def install_wheels(folder: Path, site: Path) -> dict[str, Any]:
     return {"folder": str(folder), "installed": len(wheels), "pip_exit_status": status}
 
 
-def run_checks(tests: list[str], require: list[str], device: str) -> dict[str, Any]:
-    """`pytest -m gpu` over `tests` in a child process (its output goes straight through)."""
+def run_checks(tests: list[str], require: list[str], device: str, folder: Path) -> dict[str, Any]:
+    """`pytest -m gpu` over `tests` in a child process (its output goes straight through; a
+    JUnit report of every check, failures' tracebacks included, lands in `folder`)."""
+    folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+    command += ["-rfEs", "--durations=15", f"--junitxml={folder / 'gpu-checks.xml'}"]
     command += [*tests, *(f"--require={name}" for name in require)]
     start = time.perf_counter()
     status = subprocess.run(command, cwd=ROOT, env={**os.environ, DEVICE_ENV: device}).returncode
@@ -142,13 +161,18 @@ def run_checks(tests: list[str], require: list[str], device: str) -> dict[str, A
     }
 
 
-def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
-    """Build the model pair here, then one engine per graphs setting; an error is recorded (and
-    fails the bench) rather than raised, so the JSON still comes back."""
+def run_bench(
+    device: str, duration_s: float, seed: int, save: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """Build the model pair here, then one engine per setting; an engine's error is recorded (and
+    fails the bench) rather than raised, the next engine still runs, and `save` writes what is
+    done after each engine, so the JSON comes back whatever stops the run."""
     import torch
+    import yaml
 
     from tests.gpu.smoke.bench import (
         INVARIANT_CONCURRENCIES,
+        PRESET,
         Workload,
         engine_config,
         run_engine,
@@ -170,25 +194,42 @@ def run_bench(device: str, duration_s: float, seed: int) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             pair = build_pair(Path(tmp), model, seed, dtype, torch.device(device))
-            bench["model"] = {**model.__dict__, "draft_layers": pair.draft_layers, "seed": seed,
-                              "build_s": round(time.perf_counter() - start, 1)}  # fmt: skip
-            for graphs in (True, False):
-                config = engine_config(pair, torch.device(device), graphs, **overrides)
-                bench["engines"].append(run_engine(config, workload))
-            config = engine_config(
-                pair, torch.device(device), True, batch_invariant=True, **overrides
-            )
-            bench["engines"].append(run_engine(config, workload, INVARIANT_CONCURRENCIES))
-            head = build_head(Path(tmp), pair, dtype)
-            eagle3 = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-            config = engine_config(pair, torch.device(device), True, **overrides,
-                                   speculative_config=dict(eagle3, mode="always"))  # fmt: skip
-            bench["engines"].append(
-                run_engine(config, workload, INVARIANT_CONCURRENCIES, modes=("always",))
-            )
         except Exception:
             bench["error"] = traceback.format_exc(limit=20)
-            logger.exception("the bench failed")
+            logger.exception("the model pair could not be built")
+            return bench
+        bench["model"] = {**model.__dict__, "draft_layers": pair.draft_layers, "seed": seed,
+                          "build_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+        def one(name: str, run: Callable[[], dict[str, Any]]) -> None:
+            try:
+                bench["engines"].append(run())
+            except Exception:
+                bench.setdefault("errors", {})[name] = traceback.format_exc(limit=20)
+                bench["error"] = f"{name}: " + traceback.format_exc(limit=1).strip()
+                logger.exception("the bench's %s engine failed", name)
+            save()
+
+        for graphs in (True, False):
+            config = engine_config(pair, torch.device(device), graphs, **overrides)
+            one("graphs" if graphs else "eager", lambda config=config: run_engine(config, workload))
+        # Mode auto with n-gram lookup alone: what the draft model adds or costs beside it.
+        spec = yaml.safe_load(PRESET.read_text())["engine"]["speculative_config"]
+        ngram = {**spec, "method": "ngram", "model": None}
+        config = engine_config(pair, torch.device(device), True, **overrides,
+                               speculative_config=ngram)  # fmt: skip
+        one("ngram", lambda: run_engine(config, workload, modes=("auto",)))
+        config = engine_config(pair, torch.device(device), True, batch_invariant=True, **overrides)
+        one("batch_invariant", lambda: run_engine(config, workload, INVARIANT_CONCURRENCIES))
+
+        def eagle3() -> dict[str, Any]:
+            head = build_head(Path(tmp), pair, dtype)
+            spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+            config = engine_config(pair, torch.device(device), True, **overrides,
+                                   speculative_config=dict(spec, mode="always"))  # fmt: skip
+            return run_engine(config, workload, INVARIANT_CONCURRENCIES, modes=("always",))
+
+        one("eagle3", eagle3)
     return bench
 
 
@@ -208,6 +249,10 @@ def _write(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     logger.info("wrote %s (%d bytes)", out, len(text))
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _say(title: str, lines: list[str]) -> None:

@@ -70,6 +70,58 @@ class PointResult:
     draft_graph_share: float | None  # the same for the draft model's forwards
     acceptance: float | None  # accepted draft tokens over drafted ones
     peak_memory_bytes: int | None  # torch.cuda.max_memory_allocated during the point
+    drafts_per_step: float | None = None  # draft tokens verified per target step: how much the
+    # policy chose to speculate
+    steps: dict[str, Any] | None = None  # StepBreakdown.summary(): where the steps' time went
+
+
+class StepBreakdown:
+    """Where a point's steps spent their time, from the StepStats the engine hands its policy
+    stats (wrapped on the instance, as ReplayCounter wraps the forwards): the target forward,
+    drafting (lookups and draft-model forwards) and the rest, split by whether the step verified
+    drafts; and the policy's decisions by reason."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._stats = engine.policy_stats
+        observe = self._stats.observe
+
+        def observed(step: Any) -> None:
+            self._add(step)
+            observe(step)
+
+        self._stats.observe = observed  # type: ignore[method-assign]
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums: dict[str, list[float]] = {}
+        self._decisions_before = dict(self._stats.decisions)
+
+    def _add(self, step: Any) -> None:
+        if not step.num_tokens:
+            return
+        key = "with_drafts" if step.has_drafts else "without_drafts"
+        sums = self._sums.setdefault(key, [0.0] * 5)
+        for i, value in enumerate(
+            (1, step.num_tokens, step.forward_seconds, step.draft_seconds, step.overhead_seconds)
+        ):
+            sums[i] += value
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, (steps, tokens, forward, draft, rest) in self._sums.items():
+            out[key] = {
+                "steps": int(steps),
+                "tokens_per_step": round(tokens / steps, 1),
+                "forward_ms": round(forward / steps * 1e3, 3),
+                "draft_ms": round(draft / steps * 1e3, 3),
+                "rest_ms": round(rest / steps * 1e3, 3),
+            }
+        decisions = {
+            f"{d}/{r}": n - self._decisions_before.get((d, r), 0)
+            for (d, r), n in self._stats.decisions.items()
+        }
+        out["decisions"] = {k: n for k, n in decisions.items() if n}
+        return out
 
 
 class ReplayCounter:
@@ -138,6 +190,7 @@ def run_engine(
     facts = _engine_facts(engine, config, time.perf_counter() - built)
     target = ReplayCounter(engine.runner)
     draft = ReplayCounter(engine.draft_runner) if engine.draft_runner is not None else None
+    breakdown = StepBreakdown(engine)
     _run_point(engine, 2, Workload(workload.prompt_len, 4, 0.0, workload.seed))  # warm-up
     points = []
     if config.speculative_config is None:
@@ -149,6 +202,7 @@ def run_engine(
             for counter in (target, draft):
                 if counter is not None:
                     counter.reset()
+            breakdown.reset()
             if is_cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             spec_before = (
@@ -166,13 +220,16 @@ def run_engine(
                 graph_share=target.share,
                 draft_graph_share=draft.share if draft is not None else None,
                 acceptance=accepted / drafted if drafted else None,
+                drafts_per_step=drafted / result["num_steps"] if result["num_steps"] else None,
+                steps=breakdown.summary(),
                 peak_memory_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,
                 **result,
             )
             logger.info("smoke bench point: %s", point)
             points.append(asdict(point))
     facts["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if is_cuda else None
-    del engine, target, draft
+    facts["step_model_after"] = _step_model(engine)
+    del engine, target, draft, breakdown
     gc.collect()
     if is_cuda:
         torch.cuda.empty_cache()  # the next engine measures its budget from what is free
@@ -197,7 +254,32 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
         "num_graph_buckets": len(engine.runner.graphs.buckets) if engine.runner.graphs else 0,
         "memory_budget_bytes": budget,  # gpu_memory_utilization x the device's memory
         "build_s": round(build_s, 2),
+        "step_model": _step_model(engine),
     }
+
+
+def _step_model(engine: LLMEngine) -> dict[str, Any] | None:
+    """What mode auto prices steps with: its predictions (ms) of decode steps and of a verify
+    batch, at no context and at 1,000 cached positions a sequence."""
+    policy = getattr(engine.speculator, "policy", None)
+    model = getattr(policy, "step_model", None)
+    if model is None or not getattr(policy, "is_calibrated", True):
+        return None
+    from engine.speculation.step_time import attention_reads
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3, 3)
+
+    facts: dict[str, Any] = {"knee": getattr(model, "knee", None)}
+    for n in (1, 8, 64):
+        facts[f"t{n}_ms"] = ms(model.predict(n, n * attention_reads(0, 1)))
+        facts[f"t{n}_ctx1000_ms"] = ms(model.predict(n, n * attention_reads(1000, 1)))
+        facts[f"verify{n}x4_ctx1000_ms"] = ms(
+            model.predict(4 * n, n * attention_reads(1000, 4), 4 * n)
+        )
+    for name in ("context_coef", "row_coef"):
+        facts[name] = getattr(model, name, None)
+    return facts
 
 
 def _run_point(engine: LLMEngine, concurrency: int, workload: Workload) -> dict[str, Any]:
