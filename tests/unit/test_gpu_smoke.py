@@ -258,7 +258,38 @@ def test_replay_counter_counts_the_steps_a_graph_replayed():
     assert (counter.num_forwards, counter.num_replays, counter.share) == (1, 0, 0.0)
 
     eager = ReplayCounter(_FakeRunner(None))
-    assert eager.share == 0.0  # no forward yet, and none can replay
+    assert eager.share is None  # no forward yet: nothing to judge the graphs by
+
+
+class _FakeHeadGraphs(_FakeGraphs):
+    def hidden_states(self, num_tokens: int, hidden: torch.Tensor):
+        return torch.zeros(num_tokens, 4) if num_tokens <= self.capacity else NOT_CAPTURED
+
+    def kv_states(self, num_tokens: int, hidden: torch.Tensor):
+        return None if num_tokens <= self.capacity else NOT_CAPTURED
+
+
+class _FakeHeadRunner(_FakeRunner):
+    """An EAGLE-3 head's runner: drafts through hidden_forward, extends through kv_forward."""
+
+    def hidden_forward(self, num_tokens: int, hidden: torch.Tensor):
+        out = self.graphs.hidden_states(num_tokens, hidden)
+        return torch.ones(num_tokens, 4) if out is NOT_CAPTURED else out
+
+    def kv_forward(self, num_tokens: int, hidden: torch.Tensor) -> None:
+        self.graphs.kv_states(num_tokens, hidden)
+
+
+def test_replay_counter_counts_an_eagle3_heads_drafts_and_extends():
+    """A head never calls forward: counting forward alone read its share as 0 on an H200."""
+    runner = _FakeHeadRunner(_FakeHeadGraphs(capacity=8))
+    counter = ReplayCounter(runner)
+    hidden = torch.zeros(1)
+    for num_tokens in (1, 4, 20):
+        runner.hidden_forward(num_tokens, hidden)
+    runner.kv_forward(3, hidden)
+    runner.kv_forward(64, hidden)
+    assert (counter.num_forwards, counter.num_replays) == (5, 3)
 
 
 def _bench(num_buckets: int, graph_share: float, peak: int, budget: int | None) -> dict:

@@ -66,7 +66,7 @@ class PointResult:
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
     num_steps: int
-    graph_share: float  # target forwards that replayed a graph, over all target forwards
+    graph_share: float | None  # target forwards that replayed a graph, over all of them
     draft_graph_share: float | None  # the same for the draft model's forwards
     acceptance: float | None  # accepted draft tokens over drafted ones
     peak_memory_bytes: int | None  # torch.cuda.max_memory_allocated during the point
@@ -131,9 +131,17 @@ class ReplayCounter:
     def __init__(self, runner: Any) -> None:
         self.num_forwards = 0
         self.num_replays = 0
-        runner.forward = self._counting(runner.forward, self._count_forward)
-        if runner.graphs is not None:
-            runner.graphs.forward = self._counting(runner.graphs.forward, self._count_replay)
+        # A model's forward, and an EAGLE-3 head's two (its drafts, its K/V-only extend).
+        for name, graphed in (
+            ("forward", "forward"),
+            ("hidden_forward", "hidden_states"),
+            ("kv_forward", "kv_states"),
+        ):
+            if hasattr(runner, name):
+                setattr(runner, name, self._counting(getattr(runner, name), self._count_forward))
+            if runner.graphs is not None and hasattr(runner.graphs, graphed):
+                counted = self._counting(getattr(runner.graphs, graphed), self._count_replay)
+                setattr(runner.graphs, graphed, counted)
 
     @staticmethod
     def _counting(forward: Callable[..., Any], count: Callable[[Any], None]) -> Callable[..., Any]:
@@ -154,8 +162,10 @@ class ReplayCounter:
         self.num_forwards = self.num_replays = 0
 
     @property
-    def share(self) -> float:
-        return self.num_replays / self.num_forwards if self.num_forwards else 0.0
+    def share(self) -> float | None:
+        """Replayed over all forwards; None where the runner ran none (the policy never chose
+        the draft model), which a share of 0 would read as graphs that never replay."""
+        return self.num_replays / self.num_forwards if self.num_forwards else None
 
 
 def engine_config(

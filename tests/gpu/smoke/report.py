@@ -34,7 +34,7 @@ def markdown_table(bench: dict[str, Any]) -> str:
                 f"{p['tokens_per_s']:.0f}",
                 _number(p["ttft_p50_ms"], ".1f"),
                 _number(p["ttft_p95_ms"], ".1f"),
-                f"{p['graph_share']:.2f}",
+                _number(p["graph_share"], ".2f"),
                 _number(p["draft_graph_share"], ".2f"),
                 _number(p["acceptance"], ".2f"),
                 facts["num_kv_blocks"],
