@@ -30,7 +30,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.speculation.acceptance import expected_tokens
-from engine.speculation.goodput import DraftCost, StepShape
+from engine.speculation.goodput import (
+    AffineDraftCost,
+    DraftCost,
+    StepShape,
+    forward_seconds,
+)
 from engine.speculation.step_time import StepTimePredictor
 
 if TYPE_CHECKING:
@@ -143,16 +148,14 @@ class DraftCosts:
     ) -> DraftCost:
         """Seconds a step with drafts costs beyond its plain forward: the overhead, the draft
         model's seconds, and the correction's share of the forward and drafting."""
-        extra, overhead = self.correction - 1.0, self.overhead
-
-        def cost(num_draft_tokens: int) -> float:
-            if num_draft_tokens == 0:
-                return 0.0
-            n, rows = shape.base_tokens + num_draft_tokens, shape.base_rows + num_draft_tokens
-            forward = step_model.predict(n, shape.context_with(num_draft_tokens), rows)
-            return overhead + model_seconds + extra * (forward + model_seconds)
-
-        return cost
+        extra = self.correction - 1.0
+        # overhead + model_seconds + extra * (forward + model_seconds), for a step with drafts.
+        return AffineDraftCost(
+            self.overhead + model_seconds + extra * model_seconds,
+            extra,
+            0.0,
+            lambda m: forward_seconds(shape, step_model, m),
+        )
 
     def alone(self, alpha: float, k: int, uses_model: bool) -> float:
         """Drafting seconds of k drafts for one request alone (the model uncorrected)."""

@@ -43,6 +43,42 @@ def free_drafts(num_draft_tokens: int) -> float:
     return 0.0
 
 
+@dataclass(frozen=True)
+class AffineDraftCost:
+    """A DraftCost affine in the step's forward: `with_drafts + per_forward * t(step)` seconds
+    for a step with drafts, `without` for one with none; `forward(m)` is t of the step with m
+    drafts (needed only when per_forward is not 0). The allocator reads the coefficients and
+    prices a step with one prediction; called, it is any DraftCost."""
+
+    with_drafts: float
+    per_forward: float = 0.0
+    without: float = 0.0
+    forward: Callable[[int], float] | None = None
+
+    def __call__(self, num_draft_tokens: int) -> float:
+        if not num_draft_tokens:
+            return self.without
+        if not self.per_forward:
+            return self.with_drafts
+        assert self.forward is not None
+        return self.with_drafts + self.per_forward * self.forward(num_draft_tokens)
+
+    def plus(self, seconds: float) -> AffineDraftCost:
+        """This cost and `seconds` the step pays whatever it drafts."""
+        return AffineDraftCost(
+            self.with_drafts + seconds, self.per_forward, self.without + seconds, self.forward
+        )
+
+
+def forward_seconds(shape: StepShape, model: StepTimePredictor, num_drafts: int) -> float:
+    """Predicted forward seconds of the shape's step with num_drafts draft tokens on top."""
+    return model.predict(
+        shape.base_tokens + num_drafts,
+        shape.context_with(num_drafts),
+        shape.base_rows + num_drafts,
+    )
+
+
 def goodput(
     alphas: Sequence[float],
     ks: Sequence[int],
@@ -81,8 +117,9 @@ def best_draft_lengths(
     tail = sum(expected_tokens(alphas[i], caps[i]) - 1.0 for _, _, i in heap)
     tokens = float(len(alphas))
     best, best_len, picks = -math.inf, 0, list[int]()
+    seconds_at = _pricer(shape, model, draft_cost)
     while True:
-        seconds = step_seconds(shape, model, draft_cost, len(picks))
+        seconds = seconds_at(len(picks))
         value = tokens / seconds if seconds > 0 else math.inf
         if value > best:
             best, best_len = value, len(picks)
@@ -99,6 +136,29 @@ def best_draft_lengths(
     for i in picks[:best_len]:
         ks[i] += 1
     return ks
+
+
+def _pricer(
+    shape: StepShape, model: StepTimePredictor, draft_cost: DraftCost
+) -> Callable[[int], float]:
+    """step_seconds(shape, model, draft_cost, m) as a function of m; for an AffineDraftCost
+    one prediction and two products, with no call through the cost (the allocator asks for
+    hundreds of m a step at a large batch)."""
+    if not isinstance(draft_cost, AffineDraftCost):
+        return lambda m: step_seconds(shape, model, draft_cost, m)
+    predict, reads = model.predict, shape.reads_per_draft
+    tokens, rows, context = shape.base_tokens, shape.base_rows, shape.context
+    with_drafts, scale, without = (
+        draft_cost.with_drafts,
+        1.0 + draft_cost.per_forward,
+        draft_cost.without,
+    )
+
+    def seconds(m: int) -> float:
+        forward = predict(tokens + m, context + round(m * reads), rows + m)
+        return forward * scale + with_drafts if m else forward + without
+
+    return seconds
 
 
 def step_seconds(

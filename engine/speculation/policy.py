@@ -28,9 +28,11 @@ from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
 from engine.speculation.config import check_mode
 from engine.speculation.costs import MODEL_SOURCES, DraftCosts
 from engine.speculation.goodput import (
+    AffineDraftCost,
     DraftCost,
     StepShape,
     best_draft_lengths,
+    forward_seconds,
     goodput,
     step_seconds,
 )
@@ -211,7 +213,7 @@ class SpeculationPolicy:
             ks, model_seconds = self._allocate(candidates, alphas, caps, uses_model, shape, fixed)
         self.costs.decided(model_seconds + fixed)
         final = []
-        why: dict[tuple[float, int, bool, float], str] = {}  # requests alike share their reason
+        why: dict[tuple[float, int, bool], float] = {}  # requests alike share their margin
         for i, limit in enumerate(reasons):
             if i in catch_up:
                 final.append("catch_up")
@@ -321,39 +323,44 @@ class SpeculationPolicy:
         alpha: float,
         cap: int,
         shape: StepShape,
-        memo: dict[tuple[float, int, bool, float], str] | None = None,
+        memo: dict[tuple[float, int, bool], float] | None = None,
     ) -> str:
         """A request left at 0 is compute_bound when drafting would pay for it alone, one
         decoding sequence as long as this step's, its draft model's catch-up charged as the
         allocation charges it (the batch's load stopped it); catch_up_cost when it would pay
         alone once the draft model is current but not with the catch-up to get there; else
-        low_acceptance."""
+        low_acceptance.
+
+        Alone, k drafts pay when E(alpha, k) / (t(1 + k) + s(k) + catch_up) > 1 / t(1), i.e.
+        when E(alpha, k) t(1) - t(1 + k) - s(k) > catch_up: the best such margin over k depends
+        on the request's alpha and cap alone, so requests alike share it (`memo`, one decision's)
+        and each compares its own catch-up with it."""
         uses_model = candidate.source in MODEL_SOURCES
+        key = (alpha, cap, uses_model)
+        margin = memo.get(key) if memo is not None else None
+        if margin is None:
+            margin = self._best_margin_alone(alpha, cap, uses_model, shape)
+            if memo is not None:
+                memo[key] = margin
+        catch_up = self.costs.catch_up_seconds(candidate, alpha, cap) if uses_model else 0.0
+        if margin > catch_up:
+            return "compute_bound"
+        return "catch_up_cost" if catch_up > 0.0 and margin > 0.0 else "low_acceptance"
+
+    def _best_margin_alone(
+        self, alpha: float, cap: int, uses_model: bool, shape: StepShape
+    ) -> float:
+        """max over k in 1..cap of E(alpha, k) t(1) - t(1 + k) - s(k), seconds (see _why_not);
+        -inf when cap is 0."""
         length = round(shape.reads_per_draft)
         alone = StepShape(1, 1, length, cap, 1, reads_per_draft=shape.reads_per_draft)
-        catch_up = self.costs.catch_up_seconds(candidate, alpha, cap) if uses_model else 0.0
-        key = (alpha, cap, uses_model, catch_up)
-        if memo is not None and key in memo:
-            return memo[key]
-        reason = self._why_not_alone(alpha, cap, uses_model, catch_up, alone)
-        if memo is not None:
-            memo[key] = reason
-        return reason
-
-    def _why_not_alone(
-        self, alpha: float, cap: int, uses_model: bool, catch_up: float, alone: StepShape
-    ) -> str:
-        plain = goodput([alpha], [0], alone, self._prices)
-        pays_when_current = False
+        plain = forward_seconds(alone, self._prices, 0)
+        best = -math.inf
         for k in range(1, cap + 1):
-            seconds = self.costs.alone(alpha, k, uses_model)
-            if goodput([alpha], [k], alone, self._prices, _once(seconds + catch_up)) > plain:
-                return "compute_bound"
-            pays_when_current = pays_when_current or (
-                catch_up > 0.0
-                and goodput([alpha], [k], alone, self._prices, _once(seconds)) > plain
-            )
-        return "catch_up_cost" if pays_when_current else "low_acceptance"
+            forward = forward_seconds(alone, self._prices, k)
+            drafting = self.costs.alone(alpha, k, uses_model)
+            best = max(best, expected_tokens(alpha, k) * plain - forward - drafting)
+        return best
 
     # ---------------------------------------------------------------------------- learning
 
@@ -382,9 +389,11 @@ def _plus(cost: DraftCost, seconds: float) -> DraftCost:
     """cost, plus seconds the step pays whatever it drafts."""
     if not seconds:
         return cost
+    if isinstance(cost, AffineDraftCost):
+        return cost.plus(seconds)
     return lambda num_draft_tokens: cost(num_draft_tokens) + seconds
 
 
 def _once(seconds: float) -> DraftCost:
     """A drafting cost paid once by a step with any drafts."""
-    return lambda num_draft_tokens: seconds if num_draft_tokens else 0.0
+    return AffineDraftCost(seconds)

@@ -15,7 +15,13 @@ import pytest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
-from engine.speculation.goodput import StepShape, best_draft_lengths, goodput
+from engine.speculation.goodput import (
+    AffineDraftCost,
+    StepShape,
+    best_draft_lengths,
+    forward_seconds,
+    goodput,
+)
 from engine.speculation.policy import Candidate, SpeculationPolicy
 from engine.speculation.stats import StepStats, VerifyResult
 from engine.speculation.step_time import StepTimeModel
@@ -181,6 +187,39 @@ def test_allocation_walks_past_a_step_in_the_curve() -> None:
     ks, value = _allocate([0.95], [31], 1, Staircase())
     assert ks == [31]
     assert value == pytest.approx(expected_tokens(0.95, 31) / 1.15)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_affine_draft_cost_allocates_as_its_callable_does(seed: int) -> None:
+    """The allocator prices an AffineDraftCost from its coefficients (one prediction a draft
+    count, the cost not called); the drafts and the goodput equal those of the same cost as a
+    plain callable, over random batches, costs and curves, with a fixed cost on top or not."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    alphas = [rng.uniform(0.05, 0.98) for _ in range(n)]
+    caps = [rng.randint(0, 6) for _ in range(n)]
+    model = rng.choice([FlatThenLinear(), MeasuredCpu(), FlatThenLinear(row_cost=0.3)])
+    shape = StepShape(
+        n, n, rng.randint(0, 5000), rng.choice([8, 64, 10**9]), n, rng.uniform(0, 900)
+    )
+    with_drafts, per_forward = rng.uniform(0.0, 0.2), rng.choice([0.0, rng.uniform(0.0, 0.5)])
+    fixed = rng.choice([0.0, rng.uniform(0.0, 0.3)])
+    affine = AffineDraftCost(
+        with_drafts, per_forward, 0.0, lambda m: forward_seconds(shape, model, m)
+    ).plus(fixed)
+
+    def plain(m: int) -> float:
+        forward = forward_seconds(shape, model, m)
+        return (with_drafts + per_forward * forward if m else 0.0) + fixed
+
+    ks = best_draft_lengths(alphas, caps, shape, model, affine)
+    assert ks == best_draft_lengths(alphas, caps, shape, model, plain)
+    assert all(0 <= k <= c for k, c in zip(ks, caps, strict=True)) and sum(ks) <= shape.budget
+    for m in (0, 1, 7):
+        assert affine(m) == pytest.approx(plain(m), rel=1e-12)
+    assert goodput(alphas, ks, shape, model, affine) == pytest.approx(
+        goodput(alphas, ks, shape, model, plain), rel=1e-12
+    )
 
 
 def test_callable_draft_cost_sees_the_total() -> None:
