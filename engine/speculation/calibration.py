@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 _CALIBRATION_ID = "__calibration__"
 _BASE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 _LONG_CONTEXT_NS = (1, 4, 8)
+# ... and on a device that attends in parallel (CUDA), at larger steps too (cheap there).
+_PARALLEL_CONTEXT_NS = (32, 128, 512)
 # Sequences in the verify-shaped batches (of 1 + K tokens each) that price a logits row.
 _VERIFY_NUM_SEQS = (1, 4, 8)
 # A calibration whose t(1) timings have a median above this factor of their minimum was disturbed
@@ -191,8 +193,13 @@ def measure(
     def shape(n: int) -> list[int]:
         return served_query_lens(n, max_num_seqs, max_query_len)
 
+    # A GPU attends to a step's queries in parallel, so its slope per KV read falls as queries
+    # join the step: there it is timed at larger steps too, and kept per query count. The CPU's
+    # attention reads every query's keys in turn: one slope serves every n.
+    parallel = bool(getattr(runner.device, "is_cuda", False))
+    long_ns = _LONG_CONTEXT_NS + (_PARALLEL_CONTEXT_NS if parallel else ())
     # Every sequence of the longest long-context step holds that context: half the pool at most.
-    num_long_seqs = max(len(shape(n)) for n in _LONG_CONTEXT_NS)
+    num_long_seqs = max(len(shape(n)) for n in long_ns)
     long_context = min(
         max_model_len // 2,
         2048,
@@ -226,7 +233,9 @@ def measure(
             short[n] = min(short[n], timed(n, 0))
         timed(1, 0)
     context_coef = 0.0
-    ns = [n for n in _LONG_CONTEXT_NS if n in short]
+    context_grid: list[int] | None = None
+    context_coefs: list[float] | None = None
+    ns = [n for n in long_ns if n in short]
     if ns and long_context > 0 and long_context + max(ns) <= max_model_len:
         # The model's context is the attention's KV reads, the queries' own positions included,
         # so the slope comes from the same n at two contexts (the grid alone cannot separate
@@ -236,11 +245,22 @@ def measure(
             for n in ns
         ]
         context_coef = max(0.0, sorted(slopes)[len(slopes) // 2])
+        if parallel:
+            # Non-increasing in n (more queries share the keys' cost), never below 0.
+            falling = pool_adjacent_violators([-max(0.0, x) for x in slopes], [1.0] * len(ns))
+            context_grid, context_coefs = ns, [-x for x in falling]
     timed(1, 0)
     short[1] = min(t1_seconds)  # the grid starts at 1
     values = pool_adjacent_violators([short[n] for n in grid], [1.0] * len(grid))
     reads = [_reads(shape(n)) for n in grid]  # in v already: the context term prices the rest
-    model = StepTimeModel(grid, values, context_coef, base_reads=reads)
+    model = StepTimeModel(
+        grid,
+        values,
+        context_coef,
+        base_reads=reads,
+        context_grid=context_grid,
+        context_coefs=context_coefs,
+    )
     if batch_timer is not None:
         shapes = [(s, max_query_len) for s in _VERIFY_NUM_SEQS if s <= max_num_seqs]
         model.row_coef = _row_cost(model, batch_timer, repeats, grid[-1], shapes)
@@ -318,6 +338,15 @@ def load_or_calibrate(
         model.knee,
         model.context_coef * 1e6,
     )
+    if model.context_grid is not None and model.context_coefs is not None:
+        logger.info(
+            "calibration: the attention runs a step's queries in parallel here; us per KV read "
+            "by query count: %s",
+            ", ".join(
+                f"{n}: {c * 1e6:.4f}"
+                for n, c in zip(model.context_grid, model.context_coefs, strict=True)
+            ),
+        )
     if not is_cached:
         return model
     if not run.is_quiet:

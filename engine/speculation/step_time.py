@@ -11,7 +11,9 @@ chunks, every decode step) wrong by up to 8x. v is calibrated on forwards shaped
 of n tokens are (n one-token sequences, or verify chunks of 1 + K, past that a prompt chunk),
 with one logits row (engine/speculation/calibration.py), so on a GPU they replay the graphs
 served steps do. R(n) is the reads those calibration shapes made themselves (their queries
-reading their own positions), already in v: c prices only reads beyond them. (Subtracting
+reading their own positions), already in v: c prices only reads beyond them. On a device that
+attends to a step's queries in parallel (CUDA), c is kept per query count (context_grid,
+context_coefs): there a read costs less the more queries share the step. (Subtracting
 c * R(n) from v instead drove v below zero on a GPU, where a 4,096-token chunk's 8 million reads
 run in parallel and cost far less than c, timed on a few queries, says.) r, the cost of a row
 beyond the first, is calibrated on multi-sequence batches shaped like verify steps (every row
@@ -83,6 +85,8 @@ class StepTimeModel:
         knee_threshold: float = KNEE_THRESHOLD,
         rate: float = STEP_TIME_RATE,
         base_reads: Sequence[float] | None = None,
+        context_grid: Sequence[int] | None = None,
+        context_coefs: Sequence[float] | None = None,
     ) -> None:
         if not grid or len(grid) != len(values) or list(grid) != sorted(set(grid)) or grid[0] < 1:
             raise ValueError(f"grid must be strictly increasing positive ints, got {grid}")
@@ -95,6 +99,20 @@ class StepTimeModel:
         # The KV reads each grid point's own timing already holds (its shape's queries reading
         # their own positions): only reads beyond them are priced at context_coef.
         self.base_reads = [max(float(r), 0.0) for r in (base_reads or [0.0] * len(self.grid))]
+        # Where the attention runs a step's queries in parallel (a GPU), a KV read costs less the
+        # more queries share the step: the slope per read as measured at a few query counts,
+        # interpolated in n (held past both ends). None: one slope, context_coef, for every n.
+        if (context_grid is None) != (context_coefs is None):
+            raise ValueError("context_grid and context_coefs go together")
+        self.context_grid: list[int] | None = None
+        self.context_coefs: list[float] | None = None
+        if context_grid is not None and context_coefs is not None:
+            if len(context_grid) != len(context_coefs) or list(context_grid) != sorted(
+                set(context_grid)
+            ):
+                raise ValueError("context_grid must be increasing, one coefficient a point")
+            self.context_grid = [int(g) for g in context_grid]
+            self.context_coefs = [max(float(c), 0.0) for c in context_coefs]
         self.knee_threshold = knee_threshold
         self.rate = rate
 
@@ -141,7 +159,21 @@ class StepTimeModel:
             base = values[lo] + frac * (values[hi] - values[lo])
             included = reads[lo] + frac * (reads[hi] - reads[lo])
         extra = context - included if context > included else 0.0
-        return base + self.context_coef * extra + self.row_coef * (rows - 1 if rows > 1 else 0)
+        coef = self.context_coef if self.context_grid is None else self.context_coef_at(n)
+        return base + coef * extra + self.row_coef * (rows - 1 if rows > 1 else 0)
+
+    def context_coef_at(self, n: int) -> float:
+        """Seconds per KV read beyond the grid's own, in a step of n query tokens."""
+        grid, coefs = self.context_grid, self.context_coefs
+        if grid is None or coefs is None:
+            return self.context_coef
+        if n <= grid[0]:
+            return coefs[0]
+        if n >= grid[-1]:
+            return coefs[-1]
+        hi = bisect.bisect_right(grid, n)
+        lo = hi - 1
+        return coefs[lo] + (n - grid[lo]) / (grid[hi] - grid[lo]) * (coefs[hi] - coefs[lo])
 
     def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
         """Move the grid values around n a step `rate` toward one measured step time."""
@@ -168,10 +200,12 @@ class StepTimeModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": 4,
+            "version": 5,
             "grid": list(self.grid),
             "values": list(self.values),
             "base_reads": list(self.base_reads),
+            "context_grid": self.context_grid,
+            "context_coefs": self.context_coefs,
             "context_coef": self.context_coef,
             "row_coef": self.row_coef,
             "knee_threshold": self.knee_threshold,
@@ -182,8 +216,9 @@ class StepTimeModel:
     def from_dict(cls, data: Mapping[str, Any]) -> StepTimeModel:
         # Version 1 had no row cost, 2 a context of sequence lengths, 3 grid values less their
         # shapes' own reads at the context slope (negative on a GPU, whose attention runs the
-        # queries in parallel, and clamped to zero): calibrate again.
-        if data.get("version") != 4:
+        # queries in parallel, and clamped to zero): calibrate again. Version 4 is 5 with one
+        # context slope for every n.
+        if data.get("version") not in (4, 5):
             raise ValueError(f"unknown step-time model version {data.get('version')!r}")
         return cls(
             data["grid"],
@@ -193,6 +228,8 @@ class StepTimeModel:
             data["knee_threshold"],
             data["rate"],
             data["base_reads"],
+            data.get("context_grid"),
+            data.get("context_coefs"),
         )
 
     def _slope(self, j: int) -> float:

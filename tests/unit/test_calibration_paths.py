@@ -12,6 +12,7 @@ took and what the fit makes of it. No wall clock is read.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ from engine.runner import SeqChunk
 from engine.speculation import calibration
 from engine.speculation.calibration import calibration_grid, measure
 from engine.speculation.config import SpeculativeConfig
-from engine.speculation.step_time import attention_reads
+from engine.speculation.step_time import StepTimeModel, attention_reads
 
 MAX_NUM_SEQS = 8
 NUM_DRAFTS = 3  # verify chunks of 4 tokens
@@ -162,6 +163,64 @@ def test_the_fit_prices_served_steps_as_they_replay():
     assert model.predict(BUDGET, attention_reads(0, BUDGET)) == pytest.approx(
         _cost([SeqChunk([0] * BUDGET, 0, [0], 1)], None), rel=1e-6
     )
+
+
+def _parallel_runner(per_key: float, is_cuda: bool) -> GraphedRunner:
+    """The scripted device, but attending as a GPU does: every query at once, so a step's
+    attention costs its longest row's keys, not the sum of every row's."""
+
+    class ParallelRunner(GraphedRunner):
+        def forward(self, chunks: Sequence[SeqChunk]) -> None:
+            bucket = choose_bucket(SIZES, MAX_MODEL_LEN, chunks)
+            self.steps.append((list(chunks), bucket is not None))
+            self.device.seconds += _parallel_cost(chunks, bucket, per_key)
+
+    runner = ParallelRunner()
+    runner.device.is_cuda = is_cuda  # type: ignore[attr-defined]
+    return runner
+
+
+def _parallel_cost(chunks: Sequence[SeqChunk], bucket, per_key: float) -> float:
+    serial = _cost(chunks, None if bucket is None else bucket.num_tokens)
+    reads = sum(attention_reads(c.start, len(c.token_ids)) for c in chunks)
+    longest = max(c.start + len(c.token_ids) for c in chunks)
+    return serial - PER_READ * reads + per_key * longest
+
+
+def test_a_gpu_prices_context_per_query_count():
+    """On a CUDA device the context slope is timed at several step sizes and kept per query
+    count, so decode and verify steps over a long context are priced as a device that attends
+    in parallel runs them: a verify step's extra queries read their keys beside the others, not
+    after them. (One slope, timed on a few queries, priced a 4-token verify at 1,000 cached
+    positions 28% over a decode step on an H200.) The CPU keeps one slope for every n."""
+    per_key = 1e-6
+    runner = _parallel_runner(per_key, is_cuda=True)
+    blocks = BlockManager(num_blocks=600, block_size=16)
+    model = measure(runner, blocks, MAX_MODEL_LEN, MAX_MODEL_LEN, repeats=1).model  # type: ignore[arg-type]
+    assert model.context_grid is not None and len(model.context_grid) >= 4
+    assert model.context_coefs == sorted(model.context_coefs, reverse=True)
+    for num_seqs, query_len, context in [(1, 1, 1000), (8, 1, 1000), (1, 4, 1000), (8, 4, 700)]:
+        chunks = [SeqChunk([0] * query_len, context, [0], query_len) for _ in range(num_seqs)]
+        bucket = choose_bucket(SIZES, MAX_MODEL_LEN, chunks)
+        seconds = _parallel_cost(chunks, bucket, per_key)
+        n = num_seqs * query_len
+        reads = num_seqs * attention_reads(context, query_len)
+        assert model.predict(n, reads, n) == pytest.approx(seconds, rel=0.02), (num_seqs, context)
+    restored = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert restored.predict(32, 8 * attention_reads(700, 4), 32) == model.predict(
+        32, 8 * attention_reads(700, 4), 32
+    )
+
+    serial = _parallel_runner(per_key, is_cuda=False)
+    blocks = BlockManager(num_blocks=600, block_size=16)
+    cpu = measure(serial, blocks, MAX_MODEL_LEN, MAX_MODEL_LEN, repeats=1).model  # type: ignore[arg-type]
+    assert cpu.context_grid is None and cpu.context_coefs is None
+    long_steps = [sum(len(c.token_ids) for c in chunks) for chunks, _ in serial.steps
+                  if chunks[0].start > 0 and sum(c.num_logits for c in chunks) == 1]  # fmt: skip
+    assert long_steps and max(long_steps) <= 8  # no larger step timed at a long context
+    long_steps = [sum(len(c.token_ids) for c in chunks) for chunks, _ in runner.steps
+                  if chunks[0].start > 0 and sum(c.num_logits for c in chunks) == 1]  # fmt: skip
+    assert max(long_steps) == 512
 
 
 def test_a_device_that_attends_in_parallel_keeps_every_timing_in_the_fit():
