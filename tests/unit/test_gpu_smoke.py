@@ -315,3 +315,23 @@ def test_bench_failures_name_what_fails_a_node():
     assert "| on | off | auto | 8 | 100 | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |" in (
         markdown_table(_bench(10, 0.8, 2**30, 2**31))
     )
+
+
+def test_checks_over_smollm2s_vocabulary_use_the_carried_tokenizer(tmp_path, monkeypatch):
+    """On a GPU node without the bundled SmolLM2 the chat-model fixture takes the tokenizer
+    `make gpu-wheels` carried (SPECSERVE_SMOLLM2_TOKENIZER); without either it skips."""
+    from engine.models import bundled
+    from tests.e2e import conftest as e2e
+
+    def missing(name: str):
+        raise RuntimeError(f"bundled model {name!r} needs packages that are not installed")
+
+    monkeypatch.setattr(bundled, "resolve_model", missing)
+    monkeypatch.delenv("SPECSERVE_SMOLLM2_TOKENIZER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="SmolLM2 tokenizer is not available"):
+        e2e.smollm2_tokenizer_dir()
+    carried = tmp_path / "smollm2-tokenizer"
+    carried.mkdir()
+    (carried / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("SPECSERVE_SMOLLM2_TOKENIZER", str(carried))
+    assert e2e.smollm2_tokenizer_dir() == carried

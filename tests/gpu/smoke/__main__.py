@@ -94,6 +94,9 @@ def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any]) -
 
     if missing_modules():
         result["wheels"] = install_wheels(args.wheels, SITE)
+    tokenizer = args.wheels / "smollm2-tokenizer"  # deploy/gpu_wheels.py: without the weights
+    if (tokenizer / "tokenizer.json").is_file():
+        os.environ.setdefault("SPECSERVE_SMOLLM2_TOKENIZER", str(tokenizer.resolve()))
     env = probe(device)
     result["environment"] = env.__dict__
     _say("environment", env.lines())

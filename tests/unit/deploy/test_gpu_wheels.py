@@ -112,3 +112,25 @@ def test_markers_are_judged_for_the_machine_not_this_host():
     assert (env["python_version"], env["platform_machine"]) == ("3.12", "x86_64")
     found = gpu_wheels.closure(["tomli; python_version < '3.11'", "h11"], set(), FAKE.get)
     assert found == {"h11": "0.16.0"}
+
+
+def test_the_smollm2_tokenizer_travels_without_its_weights(tmp_path):
+    """The bundled SmolLM2 package (93 MB with weights) cannot travel to a GPU node (64 MiB a
+    call); its tokenizer, chat template and configs do, and nothing else."""
+    source = tmp_path / "smollm2"
+    source.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        (source / name).write_text("{}")
+    for name in ("model.safetensors", "model.gguf", ".specserve-complete"):
+        (source / name).write_bytes(b"\0" * 64)
+    dest = tmp_path / ".gpu-wheels" / gpu_wheels.TOKENIZER_FOLDER
+    assert gpu_wheels.copy_tokenizer(dest, source) == 4
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    (source / "tokenizer.json").unlink()
+    assert gpu_wheels.copy_tokenizer(tmp_path / "none", source) == 0  # no tokenizer: nothing
+    assert not (tmp_path / "none").exists()
