@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -335,3 +336,44 @@ def test_checks_over_smollm2s_vocabulary_use_the_carried_tokenizer(tmp_path, mon
     (carried / "tokenizer.json").write_text("{}")
     monkeypatch.setenv("SPECSERVE_SMOLLM2_TOKENIZER", str(carried))
     assert e2e.smollm2_tokenizer_dir() == carried
+
+
+class _PromptRecorder:
+    """An engine that finishes every request in the step after it arrives, keeping prompts."""
+
+    model_config = SimpleNamespace(vocab_size=1000)
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+        self._pending: list[str] = []
+
+    def add_request(self, request_id: str, prompt: list[int], params) -> None:
+        self.prompts.append(list(prompt))
+        self._pending.append(request_id)
+
+    def step(self):
+        done, self._pending = self._pending, []
+        piece = SimpleNamespace(token_ids=[7], num_output_tokens=1)
+        return [SimpleNamespace(request_id=r, outputs=[piece], finished=True) for r in done]
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+def test_each_mode_of_a_point_gets_its_own_prompts():
+    """The bench runs off, then auto, at each concurrency on one engine: with the same prompts
+    the second mode found the first's in the prefix cache (on the H200, 496 of 512 tokens), so
+    its points paid only a prompt's tail. Each mode now draws its own prompts, and the same ones
+    again when a point is rerun."""
+    from tests.gpu.smoke.bench import Workload, _run_point
+
+    workload = Workload(prompt_len=32, max_tokens=1, duration_s=0.0, seed=0)
+    prompts = {}
+    for mode in ("off", "auto", "off"):
+        engine = _PromptRecorder()
+        _run_point(engine, 4, workload, stream=mode)  # type: ignore[arg-type]
+        prompts.setdefault(mode, []).append(engine.prompts)
+    off, again = prompts["off"]
+    assert off == again and len(off) >= 4
+    shared = {tuple(p[:16]) for p in off} & {tuple(p[:16]) for p in prompts["auto"][0]}
+    assert not shared

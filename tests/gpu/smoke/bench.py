@@ -201,7 +201,8 @@ def run_engine(
     target = ReplayCounter(engine.runner)
     draft = ReplayCounter(engine.draft_runner) if engine.draft_runner is not None else None
     breakdown = StepBreakdown(engine)
-    _run_point(engine, 2, Workload(workload.prompt_len, 4, 0.0, workload.seed))  # warm-up
+    warm_up = Workload(workload.prompt_len, 4, 0.0, workload.seed)
+    _run_point(engine, 2, warm_up, stream="warm-up")
     points = []
     if config.speculative_config is None:
         modes = ("off",)
@@ -219,7 +220,7 @@ def run_engine(
                 engine.spec_stats.num_draft_tokens,
                 engine.spec_stats.num_accepted_tokens,
             )
-            result = _run_point(engine, concurrency, workload)
+            result = _run_point(engine, concurrency, workload, stream=mode)
             drafted = engine.spec_stats.num_draft_tokens - spec_before[0]
             accepted = engine.spec_stats.num_accepted_tokens - spec_before[1]
             point = PointResult(
@@ -292,10 +293,14 @@ def _step_model(engine: LLMEngine) -> dict[str, Any] | None:
     return facts
 
 
-def _run_point(engine: LLMEngine, concurrency: int, workload: Workload) -> dict[str, Any]:
+def _run_point(
+    engine: LLMEngine, concurrency: int, workload: Workload, stream: str = ""
+) -> dict[str, Any]:
     """Keep `concurrency` requests in flight for the workload's duration (at least until the
-    first batch finished when the duration is 0); abort what is left."""
-    rng = random.Random(workload.seed * 1000 + concurrency)
+    first batch finished when the duration is 0); abort what is left. The prompts are drawn
+    from the seed, the concurrency and `stream`: points that name different streams (each mode
+    of an engine) get different prompts, so none finds the other's in the prefix cache."""
+    rng = random.Random(f"{workload.seed}/{concurrency}/{stream}")
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
     arrivals: dict[str, float] = {}
