@@ -220,6 +220,8 @@ def test_calibration_fits_what_it_times(target) -> None:
     assert rows.predict(16, 0, 16) == pytest.approx(model.predict(16, 0) + 0.15, rel=0.01)
     real = measure(engine.runner, engine.block_manager, 16, engine.max_model_len, repeats=1).model
     assert real.predict(1) > 0 and real.grid[-1] == 16
+    # The CPU's attention reads each query's keys in turn: one context slope for every n.
+    assert model.context_grid is None and real.context_grid is None
     assert engine.block_manager.num_used_blocks == 0
 
 
