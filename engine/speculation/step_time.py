@@ -55,6 +55,9 @@ class MemoPredictor:
     def __init__(self, model: StepTimePredictor) -> None:
         self._model = model
         self._seen: dict[tuple[int, int, int], float] = {}
+        # Per step shape, t of the step with 0, 1, 2, ... drafts on top, as the allocator walks
+        # them (once per draft-model depth): a list read, not a key built and looked up.
+        self.forwards: dict[Any, list[float]] = {}
 
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
         key = (n, context, rows)
