@@ -196,7 +196,7 @@ def measure(
     # A GPU attends to a step's queries in parallel, so its slope per KV read falls as queries
     # join the step: there it is timed at larger steps too, and kept per query count. The CPU's
     # attention reads every query's keys in turn: one slope serves every n.
-    parallel = bool(getattr(runner.device, "is_cuda", False))
+    parallel = runner.device.is_cuda
     long_ns = _LONG_CONTEXT_NS + (_PARALLEL_CONTEXT_NS if parallel else ())
     # Every sequence of the longest long-context step holds that context: half the pool at most.
     num_long_seqs = max(len(shape(n)) for n in long_ns)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.speculation.acceptance import expected_tokens
-from engine.speculation.step_time import MemoPredictor, StepTimePredictor
+from engine.speculation.step_time import StepTimePredictor
 
 # Seconds the drafting of a step costs, as a function of its total draft tokens (non-decreasing).
 DraftCost = Callable[[int], float]
@@ -154,15 +154,8 @@ def _pricer(
         draft_cost.without,
     )
 
-    known = model.forwards.setdefault(shape, []) if isinstance(model, MemoPredictor) else []
-
     def seconds(m: int) -> float:
-        if m < len(known):
-            forward = known[m]
-        else:
-            forward = predict(tokens + m, context + round(m * reads), rows + m)
-            if m == len(known):
-                known.append(forward)
+        forward = predict(tokens + m, context + round(m * reads), rows + m)
         return forward * scale + with_drafts if m else forward + without
 
     return seconds

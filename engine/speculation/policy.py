@@ -392,8 +392,3 @@ def _plus(cost: DraftCost, seconds: float) -> DraftCost:
     if isinstance(cost, AffineDraftCost):
         return cost.plus(seconds)
     return lambda num_draft_tokens: cost(num_draft_tokens) + seconds
-
-
-def _once(seconds: float) -> DraftCost:
-    """A drafting cost paid once by a step with any drafts."""
-    return AffineDraftCost(seconds)

@@ -55,9 +55,6 @@ class MemoPredictor:
     def __init__(self, model: StepTimePredictor) -> None:
         self._model = model
         self._seen: dict[tuple[int, int, int], float] = {}
-        # Per step shape, t of the step with 0, 1, 2, ... drafts on top, as the allocator walks
-        # them (once per draft-model depth): a list read, not a key built and looked up.
-        self.forwards: dict[Any, list[float]] = {}
 
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
         key = (n, context, rows)
@@ -68,12 +65,13 @@ class MemoPredictor:
 
 
 class StepTimeModel:
-    """t(n, context, rows) = v(n) + c * context + r * (rows - 1), v piecewise linear over a grid
-    of n and non-decreasing.
+    """t(n, context, rows) = v(n) + c(n) * max(context - R(n), 0) + r * (rows - 1), v and R
+    piecewise linear over a grid of n, v non-decreasing; c one slope, or per query count where
+    the attention runs queries in parallel (see the module's docstring).
 
     A grid with a free value per point follows a memory-bound plateau, the knee, and a concave
     compute-bound tail without assuming a shape; the context term is linear in the attention's
-    KV reads. Beyond the last grid point v extends along its last slope.
+    KV reads beyond the grid's own. Beyond the last grid point v extends along its last slope.
     `observe` refines the grid values online (an EWMA toward each measurement, split between the
     two neighbouring grid points by their interpolation weights); the context and row costs stay as
     calibrated.
@@ -149,34 +147,18 @@ class StepTimeModel:
         return cls(grid, values, context_coef, **kw)
 
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
-        # Called hundreds of times a step by the policy: one bisection, no temporaries.
-        grid, values, reads = self.grid, self.values, self.base_reads
-        if n <= grid[0]:
-            base, included = values[0], reads[0]
-        elif n >= grid[-1]:
-            base, included = values[-1] + self._last_slope() * (n - grid[-1]), reads[-1]
+        if n >= self.grid[-1]:
+            base = self.values[-1] + self._last_slope() * (n - self.grid[-1])
         else:
-            hi = bisect.bisect_right(grid, n)
-            lo = hi - 1
-            frac = (n - grid[lo]) / (grid[hi] - grid[lo])
-            base = values[lo] + frac * (values[hi] - values[lo])
-            included = reads[lo] + frac * (reads[hi] - reads[lo])
-        extra = context - included if context > included else 0.0
-        coef = self.context_coef if self.context_grid is None else self.context_coef_at(n)
-        return base + coef * extra + self.row_coef * (rows - 1 if rows > 1 else 0)
+            base = _lerp(self.grid, self.values, n)
+        extra = max(context - _lerp(self.grid, self.base_reads, n), 0.0)
+        return base + self.context_coef_at(n) * extra + self.row_coef * max(rows - 1, 0)
 
     def context_coef_at(self, n: int) -> float:
         """Seconds per KV read beyond the grid's own, in a step of n query tokens."""
-        grid, coefs = self.context_grid, self.context_coefs
-        if grid is None or coefs is None:
+        if self.context_grid is None or self.context_coefs is None:
             return self.context_coef
-        if n <= grid[0]:
-            return coefs[0]
-        if n >= grid[-1]:
-            return coefs[-1]
-        hi = bisect.bisect_right(grid, n)
-        lo = hi - 1
-        return coefs[lo] + (n - grid[lo]) / (grid[hi] - grid[lo]) * (coefs[hi] - coefs[lo])
+        return _lerp(self.context_grid, self.context_coefs, n)
 
     def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
         """Move the grid values around n a step `rate` toward one measured step time."""
@@ -240,6 +222,18 @@ class StepTimeModel:
 
     def _last_slope(self) -> float:
         return self._slope(len(self.grid) - 2) if len(self.grid) > 1 else 0.0
+
+
+def _lerp(grid: Sequence[int], ys: Sequence[float], n: int) -> float:
+    """ys interpolated linearly over the grid at n, held past both ends (one bisection, no
+    temporaries: the policy predicts hundreds of steps a decision)."""
+    if n <= grid[0]:
+        return ys[0]
+    if n >= grid[-1]:
+        return ys[-1]
+    hi = bisect.bisect_right(grid, n)
+    lo = hi - 1
+    return ys[lo] + (n - grid[lo]) / (grid[hi] - grid[lo]) * (ys[hi] - ys[lo])
 
 
 def _hat_weights(grid: Sequence[int], n: int) -> list[float]:

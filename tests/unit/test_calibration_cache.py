@@ -29,7 +29,7 @@ def _runner(
 ) -> SimpleNamespace:
     spec = SpeculativeConfig("ngram", num_speculative_tokens=num_speculative_tokens)
     return SimpleNamespace(
-        device=SimpleNamespace(torch=torch.device("cpu")),
+        device=SimpleNamespace(torch=torch.device("cpu"), is_cuda=False),
         dtype=torch.float32,
         weight_format=weight_format,
         backend=SimpleNamespace(name="torch"),
