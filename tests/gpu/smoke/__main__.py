@@ -74,12 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict[str, Any] = {"device": device, "dry_run": dry, "require": args.require}
     out = _out_path(args.out)
-    result["out"] = str(out)
     # A machine's time limit ends the run with SIGTERM: end it as an exception, so the stages
     # done so far are written below rather than lost.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return _run_stages(args, device, result)
+        return _run_stages(args, device, result, out)
     except KeyboardInterrupt:
         result.update(verdict="FAIL", interrupted=True)
         _say("gpu-smoke: interrupted", [])
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(out, result)
 
 
-def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any]) -> int:
+def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any], out: Path) -> int:
     from tests.gpu.smoke.environment import missing_modules, probe
 
     if missing_modules():
@@ -106,7 +105,6 @@ def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any]) -
         _say("FAIL before any check", problems)
         return 2
     passed = True
-    out = Path(result["out"])
     _write(out, result)
     if not args.skip_checks:
         result["checks"] = run_checks(args.tests, args.require, device, out.parent)
