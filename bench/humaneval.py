@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import os
-import platform
 import re
 import sys
 import time
@@ -56,6 +53,7 @@ from policy import (  # noqa: E402
 )
 from policy_clients import chat_body, level_client, stream_request  # noqa: E402
 from policy_workload import ChatStreamReader, complete_function_prompt  # noqa: E402
+from processes import host  # noqa: E402
 
 logger = logging.getLogger("bench.humaneval")
 
@@ -260,29 +258,6 @@ def compare(runs: Sequence[ModeRun]) -> dict[str, dict[str, Any]]:
             "tokens_per_s_vs_first": ratio,
         }
     return out
-
-
-def host_cpu(cpuinfo: str) -> dict[str, Any]:
-    """The CPU's model name and whether it has AVX-512F, from the text of /proc/cpuinfo."""
-    model, flags = None, ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model is None:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = value
-    return {
-        "model": model or platform.processor() or platform.machine(),
-        "avx512f": "avx512f" in flags.split(),
-    }
-
-
-def host() -> dict[str, Any]:
-    """This host's CPU, and the ISA the CPU kernels were told to use (None: the best found)."""
-    cpuinfo = ""
-    with contextlib.suppress(OSError):
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    return {**host_cpu(cpuinfo), "specserve_cpu_isa": os.environ.get("SPECSERVE_CPU_ISA")}
 
 
 def payload(

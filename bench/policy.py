@@ -77,7 +77,7 @@ from policy_workload import (  # noqa: E402
     RequestResult,
     summarize_level,
 )
-from processes import serving  # noqa: E402
+from processes import host, serving  # noqa: E402
 
 logger = logging.getLogger("bench.policy")
 
@@ -415,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
+        "host": host(),
         "settings": dataclasses.asdict(settings),
         "levels": [dataclasses.asdict(r) for r in levels],
         "targets": check_targets(levels),

@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -116,10 +117,13 @@ def decisions_since(engine: Any, before: dict[tuple[str, str], int]) -> dict[str
 
 
 def cpu_isa() -> str:
-    """The widest x86 vector ISA this host's flags name: avx512, avx2 or other."""
+    """The widest x86 vector ISA this host's flags name and the CPU kernels may use: avx512, avx2
+    or other (SPECSERVE_CPU_ISA=avx2 keeps an AVX-512 host's kernels on AVX2)."""
     path = Path("/proc/cpuinfo")
     flags = path.read_text() if path.exists() else ""
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    if "avx512f" in flags and os.environ.get("SPECSERVE_CPU_ISA") != "avx2":
+        return "avx512"
+    return "avx2" if "avx2" in flags else "other"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,13 @@
 """Child processes for the scripts that drive a real server (bench/policy.py,
 bench/reliability.py, deploy/grafana/render_dashboard.py): a free port, a process stopped on the
-way out, a wait until it answers, and `specserve serve` on a config."""
+way out, a wait until it answers, and `specserve serve` on a config; and the host's CPU, which a
+result file names."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import signal
 import socket
 import subprocess
@@ -78,3 +81,28 @@ def serving(
             url = f"http://127.0.0.1:{port}"
             wait_ready(f"{url}/health", proc, log_path, startup_timeout)
             yield url, proc, log_path
+
+
+def host_cpu(cpuinfo: str) -> dict[str, Any]:
+    """The CPU's model name and whether it has AVX-512F and AVX-512 VNNI (the int8 kernels' two
+    AVX-512 forms), from the text of /proc/cpuinfo."""
+    model, flags = None, ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model is None:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = value
+    return {
+        "model": model or platform.processor() or platform.machine(),
+        "avx512f": "avx512f" in flags.split(),
+        "avx512_vnni": "avx512_vnni" in flags.split(),
+    }
+
+
+def host() -> dict[str, Any]:
+    """This host's CPU, and the ISA the CPU kernels were told to use (None: the best found)."""
+    cpuinfo = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    return {**host_cpu(cpuinfo), "specserve_cpu_isa": os.environ.get("SPECSERVE_CPU_ISA")}

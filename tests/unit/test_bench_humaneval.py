@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.bench_scripts import load_bench_script
 
-H, W = load_bench_script("humaneval.py", "policy_workload")
+H, W, P = load_bench_script("humaneval.py", "policy_workload", "processes")
 
 AREA = {
     "task_id": "Test/0",
@@ -117,16 +117,18 @@ def test_payload_holds_the_settings_the_host_and_every_answer():
 def test_host_cpu_reads_the_model_and_avx512f(monkeypatch):
     cpuinfo = (
         "processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n"
-        "processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f\n"
+        "processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
     )
-    assert H.host_cpu(cpuinfo) == {"model": "Some CPU 9000", "avx512f": True}
+    # the first processor's flags are the host's
+    assert P.host_cpu(cpuinfo) == {"model": "Some CPU 9000", "avx512f": True, "avx512_vnni": False}
+    assert P.host_cpu(cpuinfo.replace("avx512bw", "avx512_vnni"))["avx512_vnni"] is True
     no_avx512 = cpuinfo.replace(" avx512f", " avx512fp16")  # a longer flag is not avx512f
-    assert H.host_cpu(no_avx512)["avx512f"] is False
-    assert H.host_cpu("")["avx512f"] is False and H.host_cpu("")["model"]  # platform's name
+    assert P.host_cpu(no_avx512)["avx512f"] is False
+    assert P.host_cpu("")["avx512f"] is False and P.host_cpu("")["model"]  # platform's name
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx2")
-    assert H.host()["specserve_cpu_isa"] == "avx2"
+    assert P.host()["specserve_cpu_isa"] == "avx2"
     monkeypatch.delenv("SPECSERVE_CPU_ISA")
-    assert H.host()["specserve_cpu_isa"] is None
+    assert P.host()["specserve_cpu_isa"] is None
 
 
 def _sse(*pieces: str, completion_tokens: int) -> str:
