@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import policy_workload  # noqa: E402
-from policy_offline import cpu_isa, decisions_since  # noqa: E402
+from policy_offline import decisions_since  # noqa: E402
+from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.outputs import OutputAccumulator  # noqa: E402
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     print_table(rows)
     report = {
-        "host": platform.processor() or platform.machine(),
+        "host": host(),
         "cpu_isa": cpu_isa(),
         "config": args.config,
         "head": args.head,

@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import logging
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from policy_offline import cpu_isa  # noqa: E402
+from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = eagle["seconds_per_chained_draft_token"] / draft["seconds_per_chained_draft_token"]
     in_all = eagle["seconds_per_draft_token_in_all"] / draft["seconds_per_draft_token_in_all"]
     report = {
-        "host": platform.processor() or platform.machine(),
+        "host": host(),
         "cpu_isa": cpu_isa(),
         "config": args.config,
         "target": config["model"],

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from policy_offline import WORKLOADS, cpu_isa  # noqa: E402
+from policy_offline import WORKLOADS  # noqa: E402
+from processes import cpu_isa, host  # noqa: E402
 
 from engine.speculation.calibration import time_step  # noqa: E402
 from engine.speculation.ngram import NgramProposer  # noqa: E402
@@ -202,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return NgramProposer(lookup_max, lookup_min)
 
     report: dict[str, Any] = {
-        "host": cpu_isa(),
+        "host": host(),
+        "cpu_isa": cpu_isa(),
         "config": args.config,
         "max_tokens": args.max_tokens,
         "step_context": context,

@@ -19,8 +19,6 @@ import argparse
 import collections
 import json
 import logging
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from policy_workload import code_edit_prompts, code_gen_prompts, open_chat_prompts  # noqa: E402
+from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.tokenizer import apply_chat_template  # noqa: E402
@@ -116,16 +115,6 @@ def decisions_since(engine: Any, before: dict[tuple[str, str], int]) -> dict[str
     return {key: count for key, count in counts.items() if count}
 
 
-def cpu_isa() -> str:
-    """The widest x86 vector ISA this host's flags name and the CPU kernels may use: avx512, avx2
-    or other (SPECSERVE_CPU_ISA=avx2 keeps an AVX-512 host's kernels on AVX2)."""
-    path = Path("/proc/cpuinfo")
-    flags = path.read_text() if path.exists() else ""
-    if "avx512f" in flags and os.environ.get("SPECSERVE_CPU_ISA") != "avx2":
-        return "avx512"
-    return "avx2" if "avx2" in flags else "other"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
@@ -148,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if "off" in by_mode and "auto" in by_mode:
         logger.info("auto / off: %.3f", by_mode["auto"] / by_mode["off"])
     report = {
-        "host": platform.machine(),
+        "host": host(),
         "cpu_isa": cpu_isa(),
         "config": args.config,
         "workload": args.workload,

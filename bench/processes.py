@@ -84,8 +84,8 @@ def serving(
 
 
 def host_cpu(cpuinfo: str) -> dict[str, Any]:
-    """The CPU's model name and whether it has AVX-512F and AVX-512 VNNI (the int8 kernels' two
-    AVX-512 forms), from the text of /proc/cpuinfo."""
+    """The CPU's model name and whether it has AVX2, AVX-512F and AVX-512 VNNI (the CPU kernels'
+    forms), from the text of /proc/cpuinfo: the first processor's flags."""
     model, flags = None, ""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
@@ -93,10 +93,12 @@ def host_cpu(cpuinfo: str) -> dict[str, Any]:
             model = value.strip()
         elif key.strip() == "flags" and not flags:
             flags = value
+    names = flags.split()
     return {
         "model": model or platform.processor() or platform.machine(),
-        "avx512f": "avx512f" in flags.split(),
-        "avx512_vnni": "avx512_vnni" in flags.split(),
+        "avx2": "avx2" in names,
+        "avx512f": "avx512f" in names,
+        "avx512_vnni": "avx512_vnni" in names,
     }
 
 
@@ -106,3 +108,12 @@ def host() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         cpuinfo = Path("/proc/cpuinfo").read_text()
     return {**host_cpu(cpuinfo), "specserve_cpu_isa": os.environ.get("SPECSERVE_CPU_ISA")}
+
+
+def cpu_isa(info: dict[str, Any] | None = None) -> str:
+    """The widest x86 vector ISA the CPU kernels may use on this host (or on `info`, a host()):
+    avx512, avx2 or other; SPECSERVE_CPU_ISA=avx2 keeps an AVX-512 host on AVX2."""
+    info = host() if info is None else info
+    if info["avx512f"] and info["specserve_cpu_isa"] != "avx2":
+        return "avx512"
+    return "avx2" if info["avx2"] else "other"

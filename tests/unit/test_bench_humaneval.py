@@ -120,7 +120,12 @@ def test_host_cpu_reads_the_model_and_avx512f(monkeypatch):
         "processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
     )
     # the first processor's flags are the host's
-    assert P.host_cpu(cpuinfo) == {"model": "Some CPU 9000", "avx512f": True, "avx512_vnni": False}
+    assert P.host_cpu(cpuinfo) == {
+        "model": "Some CPU 9000",
+        "avx2": True,
+        "avx512f": True,
+        "avx512_vnni": False,
+    }
     assert P.host_cpu(cpuinfo.replace("avx512bw", "avx512_vnni"))["avx512_vnni"] is True
     no_avx512 = cpuinfo.replace(" avx512f", " avx512fp16")  # a longer flag is not avx512f
     assert P.host_cpu(no_avx512)["avx512f"] is False
@@ -129,6 +134,16 @@ def test_host_cpu_reads_the_model_and_avx512f(monkeypatch):
     assert P.host()["specserve_cpu_isa"] == "avx2"
     monkeypatch.delenv("SPECSERVE_CPU_ISA")
     assert P.host()["specserve_cpu_isa"] is None
+
+
+def test_cpu_isa_names_the_kernels_path_a_run_takes():
+    """An AVX-512 host told SPECSERVE_CPU_ISA=avx2 runs the AVX2 kernels, and its result files
+    must say avx2, not avx512."""
+    avx512 = {"avx2": True, "avx512f": True, "specserve_cpu_isa": None}
+    assert P.cpu_isa(avx512) == "avx512"
+    assert P.cpu_isa({**avx512, "specserve_cpu_isa": "avx2"}) == "avx2"
+    assert P.cpu_isa({**avx512, "avx512f": False}) == "avx2"
+    assert P.cpu_isa({"avx2": False, "avx512f": False, "specserve_cpu_isa": None}) == "other"
 
 
 def _sse(*pieces: str, completion_tokens: int) -> str:
