@@ -164,7 +164,8 @@ inline void weigh_values(const float* p, int64_t visible, int64_t d0, ValueRow&&
 // threads, so its result is the same in a decode step, a verify step or any prompt chunk.
 template <class T>
 void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache, float scale,
-            T* out, int64_t t, int64_t g, std::vector<float>& scores, std::vector<float>& acc) {
+            T* out, int64_t t, int64_t g, std::vector<float>& scores, std::vector<float>& acc,
+            std::vector<int64_t>& offsets) {
   const int64_t D = L.head_dim, group = L.num_heads / L.num_kv_heads;
   // The request t belongs to (query_start is sorted), and t's position among its query tokens.
   const int32_t* it = std::upper_bound(L.query_start, L.query_start + L.num_reqs + 1,
@@ -174,12 +175,15 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   const int64_t visible = L.seq_lens[r] - query_len + (t - L.query_start[r]) + 1;
   const int32_t* table = L.block_tables + r * L.max_blocks;
   const int64_t kv_stride = L.num_kv_heads * D;  // between consecutive slots
-  const auto offset = [&](int64_t j) {
+  // Where key j's row lies, worked out once for every head of the group and both passes (a
+  // division per key and read, as it was, cost more than the key's multiply-adds).
+  offsets.resize(visible);
+  for (int64_t j = 0; j < visible; ++j) {
     const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
-    return slot * kv_stride + g * D;
-  };
-  const auto key_row = [&](int64_t j) { return k_cache + offset(j); };
-  const auto value_row = [&](int64_t j) { return v_cache + offset(j); };
+    offsets[j] = slot * kv_stride + g * D;
+  }
+  const auto key_row = [&](int64_t j) { return k_cache + offsets[j]; };
+  const auto value_row = [&](int64_t j) { return v_cache + offsets[j]; };
   scores.resize(visible);
   acc.resize(2 * D);
   float* q = acc.data() + D;
@@ -271,8 +275,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
              reinterpret_cast<T*>(k_cache.data_ptr()), reinterpret_cast<T*>(v_cache.data_ptr()));
     at::parallel_for(0, L.num_tokens * L.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
+      std::vector<int64_t> offsets;
       for (int64_t i = begin; i < end; ++i)
-        attend<T>(L, qp, kc, vc, s, op, i / L.num_kv_heads, i % L.num_kv_heads, scores, acc);
+        attend<T>(L, qp, kc, vc, s, op, i / L.num_kv_heads, i % L.num_kv_heads, scores, acc,
+                  offsets);
     });
   };
   dispatch_float(q, "paged_attention", run);
@@ -332,23 +338,33 @@ void rope_rows(const T* x, int64_t row_stride, const T* cos, const T* sin, int64
   });
 }
 
+// silu(g) = g / (1 + exp(-g)) of 8 lanes.
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
 template <class T>
 void silu_mul_rows(const T* x, int64_t rows, int64_t n, T* out) {
   at::parallel_for(0, rows * n, 2048, [&](int64_t begin, int64_t end) {
     alignas(32) float g[8];
+    int64_t r = begin / n, k = begin % n;  // element i = r * n + k, stepped along with i
     for (int64_t i = begin; i < end;) {
-      const int64_t r = i / n, k = i % n;
       const int64_t count = std::min<int64_t>({8, n - k, end - i});
       const T* gate = x + r * 2 * n + k;
       const T* up = gate + n;
-      for (int64_t j = 0; j < count; ++j) g[j] = static_cast<float>(gate[j]);
-      // silu(g) = g / (1 + exp(-g))
-      const __m256 gv = _mm256_load_ps(g);
-      _mm256_store_ps(g, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
-                                                         exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
-      for (int64_t j = 0; j < count; ++j)
-        out[r * n + k + j] = static_cast<T>(round_to<T>(g[j]) * static_cast<float>(up[j]));
-      i += count;
+      if (std::is_same_v<T, float> && count == 8) {  // the same operations, lane by lane
+        const float* gf = reinterpret_cast<const float*>(gate);
+        const float* uf = reinterpret_cast<const float*>(up);
+        _mm256_storeu_ps(reinterpret_cast<float*>(out + r * n + k),
+                         _mm256_mul_ps(silu8(_mm256_loadu_ps(gf)), _mm256_loadu_ps(uf)));
+      } else {
+        for (int64_t j = 0; j < count; ++j) g[j] = static_cast<float>(gate[j]);
+        _mm256_store_ps(g, silu8(_mm256_load_ps(g)));
+        for (int64_t j = 0; j < count; ++j)
+          out[r * n + k + j] = static_cast<T>(round_to<T>(g[j]) * static_cast<float>(up[j]));
+      }
+      i += count, k += count;
+      if (k == n) k = 0, ++r;
     }
   });
 }
