@@ -57,7 +57,7 @@ def timed(fn, rounds: int = 3) -> float:
 
 
 # GGML type ids of the formats the GGUF kernel multiplies by, and bytes per block of 256 weights.
-Q4_K, Q6_K8 = 12, 1014
+Q4_K, Q6_K8, Q4_KT = 12, 1014, 1012
 BLOCK_BYTES = {Q4_K: 144, Q6_K8: 274}
 
 
@@ -88,7 +88,10 @@ def gguf_rates(rows_list: list[int], product: str = "float32") -> dict[str, dict
     assert kernels is not None, "the GGUF kernel needs our CPU kernels"
     products = {
         "float32": kernels.quant_linear,
-        "int8": lambda x, w, qtype: kernels.quant_linear_int8(x, [w], [qtype], None),
+        # Q4_K served as Q4_KT, its weights in that product's order (random blocks either way).
+        "int8": lambda x, w, qtype: kernels.quant_linear_int8(
+            x, [w], [Q4_KT if qtype == Q4_K else qtype], None
+        ),
         "dequantised chunks": dequantized_chunks_linear,
     }
     multiply = products[product]

@@ -385,12 +385,13 @@ std::string quant_isa();
 torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> parts,
                                  std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
 torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K);
+torch::Tensor repack_q4_k_t(torch::Tensor blocks, int64_t K);
+torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K);
 // cpu_quant_int8.cpp
 bool int8_supported(int64_t qtype, int64_t K);
 std::string int8_isa();
 torch::Tensor quant_linear_int8(torch::Tensor x, std::vector<torch::Tensor> parts,
                                 std::vector<int64_t> qtypes, c10::optional<torch::Tensor> bias);
-torch::Tensor repack_q5_0(torch::Tensor blocks, int64_t K);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                               torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -427,6 +428,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) in float32 with x quantised to int8 per 256 columns (K-quant blocks)",
         kFree);
   m.def("repack_q6_k", &repack_q6_k, "Q6_K blocks -> the same weights in our Q6_K8 layout",
+        kFree);
+  m.def("repack_q4_k_t", &repack_q4_k_t, "Q4_K blocks -> the same weights in our Q4_KT order",
         kFree);
   m.def("repack_q5_0", &repack_q5_0, "Q5_0 blocks -> the same weights as Q8_0 blocks",
         kFree);

@@ -15,7 +15,9 @@
 // Formats multiplied by (ggml's type ids): Q4_0 (2), Q4_1 (3), Q8_0 (8): blocks of 32 weights;
 // Q4_K (12): super-blocks of 256; and Q6_K8 (our 1014), Q6_K's values one byte per weight, which
 // `repack_q6_k` makes at load from Q6_K (14). `repack_q5_0` likewise turns Q5_0 (6) into Q8_0:
-// those two layouts are only read at load.
+// those two layouts are only read at load. Q4_KT (our 1012, gguf_blocks.h), the order of Q4_K's
+// weights that the int8-activation product reads (`repack_q4_k_t`), is dequantised here and has
+// no float32-activation product.
 // On AVX-512 CPUs Q4_K has a form of its own (q4k_dot_row) and the others run batches two rows
 // per register (quant_products.h). Threads come from torch's pool (at::parallel_for).
 
@@ -86,6 +88,35 @@ struct Q6_K8 {
 };
 constexpr int64_t kQ6_K8 = 1014;  // our own type id: not a GGML type
 
+// Q4_K's weights in Q4_KT's order (gguf_blocks.h): read only by `dequantize` here.
+struct Q4_KT {
+  static constexpr int kWeights = 256, kBytes = 144;
+};
+
+// 128 bytes of Q4_K nibbles (positions 64 c + j low, 64 c + 32 + j high) as 256 values, and back.
+inline void unpack_nibbles(const uint8_t* qs, uint8_t* v) {
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 32; ++j) {
+      v[64 * c + j] = qs[32 * c + j] & 15;
+      v[64 * c + 32 + j] = qs[32 * c + j] >> 4;
+    }
+}
+
+inline void pack_nibbles(const uint8_t* v, uint8_t* qs) {
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 32; ++j)
+      qs[32 * c + j] = static_cast<uint8_t>(v[64 * c + j] | (v[64 * c + 32 + j] << 4));
+}
+
+// A Q4_K block as Q4_KT, or a Q4_KT block as Q4_K (the transpose is its own inverse).
+inline void transpose_q4_block(const uint8_t* b, uint8_t* o) {
+  uint8_t values[256], moved[256];
+  std::memcpy(o, b, 16);  // d, dmin, scales and offsets
+  unpack_nibbles(b + 16, values);
+  transpose_groups(values, moved);
+  pack_nibbles(moved, o + 16);
+}
+
 // A Q4_K block's eight sub-block scales d * sc and offsets dmin * m (gguf's get_scale_min: 6-bit
 // values, q4k_scale_bytes), each rounded after its multiply.
 inline void q4k_scales(const uint8_t* b, __m256& scales, __m256& mins) {
@@ -155,6 +186,10 @@ void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t rows, int
         const uint8_t* b = blocks + r * row_bytes + bi * Q::kBytes;
         if constexpr (std::is_same_v<Q, Q4_K>) {
           q4k_dequantize(b, out + r * K + bi * Q::kWeights);
+        } else if constexpr (std::is_same_v<Q, Q4_KT>) {
+          uint8_t q4_k[144];  // back in Q4_K's order: the same values, by the same operations
+          transpose_q4_block(b, q4_k);
+          q4k_dequantize(q4_k, out + r * K + bi * Q::kWeights);
         } else {
           for (int g = 0; g < Q::kWeights / 32; ++g) {
             avx2::Group grp;
@@ -452,6 +487,10 @@ void dispatch(int64_t qtype, F&& f) {
     case 8: f(Q8_0{}); break;
     case 12: f(Q4_K{}); break;
     case kQ6_K8: f(Q6_K8{}); break;
+    case kQ4_KT:
+      TORCH_CHECK(false, "quantised linear: Q4_KT blocks (Q4_K in the int8-activation product's "
+                  "order) have no float32-activation product");
+      break;
     default: TORCH_CHECK(false, "quantised linear: unsupported GGML type ", qtype);
   }
 }
@@ -477,6 +516,12 @@ void check_tensor(const torch::Tensor& blocks) {
 torch::Tensor dequantize(torch::Tensor blocks, int64_t qtype, int64_t K) {
   check_tensor(blocks);
   auto out = torch::empty({blocks.size(0), K}, torch::dtype(torch::kFloat32));
+  if (qtype == kQ4_KT) {
+    check_blocks<Q4_KT>(blocks, K);
+    dequantize_rows<Q4_KT>(blocks.data_ptr<uint8_t>(), blocks.stride(0), blocks.size(0), K,
+                           out.data_ptr<float>());
+    return out;
+  }
   dispatch(qtype, [&](auto q) {
     using Q = decltype(q);
     check_blocks<Q>(blocks, K);
@@ -598,6 +643,11 @@ torch::Tensor repack_q6_k(torch::Tensor blocks, int64_t K) {
     std::memcpy(o + 256, b + 192, 16);  // scales
     std::memcpy(o + 272, b + 208, 2);   // d
   });
+}
+
+// Q4_K blocks [N, K / 256 * 144] -> the same weights in Q4_KT's order, as many bytes.
+torch::Tensor repack_q4_k_t(torch::Tensor blocks, int64_t K) {
+  return repack<Q4_K, Q4_KT>(blocks, K, transpose_q4_block);
 }
 
 // Q5_0 blocks [N, K / 32 * 22] -> the same weights as Q8_0 blocks [N, K / 32 * 34]: the value

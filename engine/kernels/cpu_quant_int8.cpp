@@ -1,14 +1,16 @@
-// GGUF linears with int8 activations: the weights' K-quant blocks (Q4_K, and Q6_K as our Q6_K8)
-// multiplied by activations quantised to int8 per row and per 256 columns, in integer dot
+// GGUF linears with int8 activations: the weights' K-quant blocks (Q4_K as our Q4_KT, Q6_K as
+// our Q6_K8) multiplied by activations quantised to int8 per row and per 256 columns, in integer dot
 // products. This is the scheme llama.cpp's CPU backend uses for these formats (its Q8_K): each
 // block of 256 activations x is stored as d * q with d = max|x| / 127 and q = round(x / d) in
 // [-127, 127]. A weight block is s * qw - m per sub-block (Q4_K: 8 of 32 weights with 6-bit
 // integer scales sc and offsets mn, times the block's d and dmin; Q6_K8: 16 of 16 weights with
 // int8 scales, times d), so a block's product is
 //   d_w * d_x * sum_s sc_s * (sum_{k in s} qw_k q_k) - dmin * d_x * sum_s mn_s * (sum_{k in s} q_k),
-// the first sum exact in int32 (vpmaddubsw makes pairs of u8 weight x s8 activation products,
-// vpmaddwd or VNNI's vpdpwssd multiplies them by the sub-block scale and adds pairs), then one
-// float multiply-add per block and row. A float32 multiply-add per weight and row (cpu_quant.cpp)
+// the first sum exact in int32, then one float multiply-add per block and row. Q6_K8: vpmaddubsw
+// makes pairs of u8 weight x s8 activation products, vpmaddwd or VNNI's vpdpwssd multiplies them
+// by the sub-block scale and adds pairs. Q4_KT, whose order puts every sub-block in a lane of its
+// own (gguf_blocks.h): VNNI's vpdpbusd adds four products a lane, AVX2's vpmaddubsw pairs summed
+// in 16 bits (8 x 2 x 15 x 127 fits), and one multiply by the 8 scales ends the block. A float32 multiply-add per weight and row (cpu_quant.cpp)
 // becomes a quarter to a half of an integer instruction, so a step of several rows (a verify
 // step, a batch) costs far less than that many single-row steps.
 //
@@ -36,24 +38,27 @@
 
 namespace {
 
-constexpr int64_t kQ4_K = 12, kQ6_K8 = 1014;  // GGML's Q4_K id, and ours for Q6_K8 (cpu_quant.cpp)
+constexpr int64_t kQ6_K8 = 1014;  // our id for Q6_K8 (cpu_quant.cpp); kQ4_KT is in gguf_blocks.h
 constexpr int64_t kBlock = 256;               // weights per block, activations per scale
 
 // Activations [M, K] quantised per row and per kBlock columns.
 struct Int8Rows {
   int64_t M = 0, K = 0, B = 0;  // B = K / kBlock blocks per row
   std::vector<int8_t> q;        // [M, K]
+  std::vector<int8_t> qt;       // [M, K]: q with each block transposed as Q4_KT's weights, or empty
   std::vector<float> d;         // [M, B]: each block's scale
   std::vector<int16_t> sum16;   // [M, K / 16]: the sum of q over each 16 columns
   std::vector<float> sum32;     // [M, K / 32]: d times the sum of q over each 32 columns
 };
 
 // The rounding is lrintf's (to nearest, ties to even, the default mode), as torch.round's: the
-// Python reference (engine.kernels.quantize_activations) reproduces q and d exactly.
-Int8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+// Python reference (engine.kernels.quantize_activations) reproduces q and d exactly. With
+// `transposed`, qt too (for Q4_KT parts).
+Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, bool transposed) {
   Int8Rows r;
   r.M = M, r.K = K, r.B = K / kBlock;
   r.q.resize(M * K), r.d.resize(M * r.B), r.sum16.resize(M * K / 16), r.sum32.resize(M * K / 32);
+  if (transposed) r.qt.resize(M * K);
   at::parallel_for(0, M * r.B, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block i: row i / B, columns (i % B) * 256 ...
       const float* xb = x + i * kBlock;      // rows are contiguous, so block i starts at 256 i
@@ -64,6 +69,7 @@ Int8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int k = 0; k < kBlock; ++k)
         qb[k] = static_cast<int8_t>(std::clamp(std::lrintf(xb[k] * id), -127L, 127L));
       r.d[i] = d;
+      if (transposed) transpose_groups(qb, r.qt.data() + i * kBlock);
       for (int g = 0; g < kBlock / 16; ++g) {
         int sum = 0;
         for (int k = 0; k < 16; ++k) sum += qb[16 * g + k];
@@ -109,11 +115,21 @@ constexpr int64_t kRowChunk = 16;  // weight rows a thread takes at a time
 // AVX2's 16 registers take 4 rows, AVX-512's 32 (its VL encodings of these 256-bit forms) 8.
 namespace avx2 {
 constexpr int kMaxTile = 4;
-// acc + the pairwise sums of p * s (16-bit lanes, s the sub-block scales), exact in int32.
-struct Madd {
+struct Ops {
+  // acc + the pairwise sums of p * s (16-bit lanes, s the sub-block scales), exact in int32.
   static __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
   }
+  // Q4_KT: acc (16-bit lanes, 2 s and 2 s + 1 for sub-block s) + the pairs of w * x products.
+  static __m256i q4_add(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x));
+  }
+  // The 8 scales (bytes 0-7) as 16-bit lanes, each twice: lanes 2 s and 2 s + 1 hold scale s.
+  static __m256i q4_scales(__m128i scales_mins) {
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales_mins, scales_mins));
+  }
+  // Lane s: scale s times sub-block s's sum.
+  static __m256i q4_scaled(__m256i acc, __m256i scales) { return _mm256_madd_epi16(acc, scales); }
 };
 #include "int8_products.h"
 }  // namespace avx2
@@ -122,8 +138,12 @@ struct Madd {
 #pragma GCC target("avx512f,avx512vl,avx512vnni")
 namespace vnni {
 constexpr int kMaxTile = 8;
-struct Madd {
+struct Ops {
   static __m256i madd_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
+  // Q4_KT: acc (lane s for sub-block s) + the sums of four w * x products per lane.
+  static __m256i q4_add(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+  static __m256i q4_scales(__m128i scales_mins) { return _mm256_cvtepu8_epi32(scales_mins); }
+  static __m256i q4_scaled(__m256i acc, __m256i scales) { return _mm256_mullo_epi32(acc, scales); }
 };
 #include "int8_products.h"
 }  // namespace vnni
@@ -141,7 +161,7 @@ const bool g_int8_vnni = int8_vnni_from_environment();
 
 // Whether a GGML type with K columns has an int8-activation product here.
 bool int8_supported(int64_t qtype, int64_t K) {
-  return (qtype == kQ4_K || qtype == kQ6_K8) && K % kBlock == 0;
+  return (qtype == kQ4_KT || qtype == kQ6_K8) && K % kBlock == 0;
 }
 
 std::string int8_isa() { return g_int8_vnni ? "avx512vnni" : "avx2"; }
@@ -163,14 +183,15 @@ torch::Tensor quant_linear_int8(torch::Tensor x, std::vector<torch::Tensor> part
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.device().is_cpu() &&
                     blocks.stride(1) == 1,
                 "quantised weight: a CPU uint8 tensor [rows, bytes per row] expected");
-    const int64_t block_bytes = qtypes[p] == kQ4_K ? 144 : 274;
+    const int64_t block_bytes = qtypes[p] == kQ4_KT ? 144 : 274;
     TORCH_CHECK(blocks.size(1) == K / kBlock * block_bytes, "quantised weight: rows of ",
                 blocks.size(1), " bytes, expected ", K / kBlock * block_bytes);
     N += blocks.size(0);
   }
   auto out = torch::empty({M, N}, xf.options());
   if (M == 0) return out;
-  const Int8Rows xr = quantize_rows(xf.data_ptr<float>(), M, K);
+  const bool transposed = std::find(qtypes.begin(), qtypes.end(), kQ4_KT) != qtypes.end();
+  const Int8Rows xr = quantize_rows(xf.data_ptr<float>(), M, K, transposed);
   float* op = out.data_ptr<float>();
   int64_t column = 0;
   for (size_t p = 0; p < parts.size(); ++p) {

@@ -44,6 +44,24 @@ inline void q4k_scale_bytes(const uint8_t* b, uint32_t sc[2], uint32_t mn[2]) {
   mn[1] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
 }
 
+// Q4_KT, our 1012 (not a GGML type): Q4_K with each block's 256 weights reordered for the
+// int8-activation product (repack_q4_k_t makes it at load; the header, scales and offsets are
+// Q4_K's). The weights of sub-block s are 32 s .. 32 s + 31; their group r of four, 32 s + 4 r ..
+// + 3, sits at positions 32 r + 4 s .. + 3 instead: an 8 x 8 transpose of 4-weight groups, its own
+// inverse. The nibbles pack the reordered weights as Q4_K packs its own (32 bytes hold positions
+// 64 c .. 64 c + 31 in their low nibbles and the next 32 in their high ones), so 32 weights
+// unpacked into a register hold four of every sub-block, sub-block s in 32-bit lane s: an integer
+// dot product over 4 bytes per lane (vpdpbusd) never mixes two sub-blocks, and one multiply by the
+// 8 sub-block scales finishes a block.
+constexpr int64_t kQ4_KT = 1012;
+
+// The transpose above over 256 values (weights or activations) of one block.
+template <class T>
+inline void transpose_groups(const T* in, T* out) {
+  for (int s = 0; s < 8; ++s)
+    for (int r = 0; r < 8; ++r) std::memcpy(out + 32 * r + 4 * s, in + 32 * s + 4 * r, 4 * sizeof(T));
+}
+
 // f(std::integral_constant<int, size>()) for 1 <= size <= Max.
 template <int Max, class F>
 void with_size(int64_t size, F&& f) {

@@ -1,47 +1,48 @@
-// The int8-activation products of cpu_quant_int8.cpp, written once over `Madd` (how a pair of
-// 16-bit products is multiplied by a scale and added: vpmaddwd + vpaddd on AVX2, vpdpwssd with
-// AVX-512 VNNI) and included twice by it, each time in its own namespace with Madd declared, the
-// second time inside its AVX-512 VNNI region, so the compiler inlines the VNNI instruction into
-// the loops. Both give the same integers, and so the same results.
+// The int8-activation products of cpu_quant_int8.cpp, written once over `Ops` (the integer steps
+// each instruction set does its own way: AVX2's vpmaddubsw, vpmaddwd and adds; AVX-512 VNNI's
+// vpdpbusd and vpdpwssd) and included twice by it, each time in its own namespace with Ops
+// declared, the second time inside its AVX-512 VNNI region, so the compiler inlines the VNNI
+// instructions into the loops. Both give the same integers, and so the same results.
 //
 // No include guard: each inclusion is a separate set of definitions.
 
 // The loops over one weight row's blocks for MT activation rows (rows m .. m + MT - 1 of xr),
 // per format; the column's float sums are left in acc[j], one 8-lane register per row.
+//
+// Q4_KT (gguf_blocks.h): each 32 unpacked weights hold four of every sub-block, sub-block s in
+// lane s, and the activations come transposed alike (xr.qt), so the products of a block add up
+// per sub-block in Ops's accumulator, which `scaled` turns into lane s = sc_s * (sub-block s's
+// integer dot product), exact in int32. One integer multiply-add per 32 weights and row where
+// Q4_K's own order needs two (each register one sub-block: products, then times its scale).
 template <int MT>
-inline void q4k_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, int64_t m,
-                    __m256* acc) {
+inline void q4kt_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, int64_t m,
+                     __m256* acc) {
   const __m256i nibble = _mm256_set1_epi8(15);
   for (int j = 0; j < MT; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const uint8_t* b = w + bi * 144;
     prefetch_ahead(b, 144);
-    // The sub-block scales as 16-bit lanes, the same 8 in both halves, for the shuffles that
-    // broadcast one of them; the offsets as floats times dmin.
     const __m128i scales_mins = q4k_scales_mins(b);
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     __m256i dot[MT];
     for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: 32 weights in the low nibbles, 32 in the high
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       const __m256i lo = _mm256_and_si256(v, nibble);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      const __m256i s_lo = _mm256_shuffle_epi8(scales, g_masks.lane(2 * c));
-      const __m256i s_hi = _mm256_shuffle_epi8(scales, g_masks.lane(2 * c + 1));
       for (int j = 0; j < MT; ++j) {
-        const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 64 * c;
-        const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(lo, x_lo), s_lo);
-        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(hi, x_hi), s_hi);
+        const int8_t* x = xr.qt.data() + (m + j) * xr.K + bi * kBlock + 64 * c;
+        dot[j] = Ops::q4_add(dot[j], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+        dot[j] = Ops::q4_add(dot[j], hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
       }
     }
+    const __m256i scales = Ops::q4_scales(scales_mins);
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const __m256 mins = _mm256_mul_ps(
         _mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
     for (int j = 0; j < MT; ++j) {
       const int64_t xb = (m + j) * xr.B + bi;
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j]), _mm256_set1_ps(d * xr.d[xb]), acc[j]);
+      const __m256 total = _mm256_cvtepi32_ps(Ops::q4_scaled(dot[j], scales));
+      acc[j] = _mm256_fmadd_ps(total, _mm256_set1_ps(d * xr.d[xb]), acc[j]);
       acc[j] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xr.sum32.data() + xb * 8), acc[j]);
     }
   }
@@ -68,7 +69,7 @@ inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
       for (int j = 0; j < MT; ++j) {
         const int8_t* x = xr.q.data() + (m + j) * xr.K + bi * kBlock + 32 * g;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        dot[j] = Madd::madd_add(dot[j], _mm256_maddubs_epi16(q, xv), s);
+        dot[j] = Ops::madd_add(dot[j], _mm256_maddubs_epi16(q, xv), s);
       }
     }
     // sum_k (q_k - 32) x_k = sum_k q_k x_k - 32 sum_k x_k, per scale group of 16.
@@ -91,8 +92,8 @@ inline void part_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, const 
     constexpr int MT = decltype(mt)::value;
     for (int64_t n = n0; n < n1; ++n) {
       __m256 acc[MT];
-      if (qtype == kQ4_K) {
-        q4k_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
+      if (qtype == kQ4_KT) {
+        q4kt_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
       } else {
         q6k8_row<MT>(w + n * row_bytes, xr.B, xr, m, acc);
       }

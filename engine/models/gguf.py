@@ -6,7 +6,8 @@ linear layers and the embedding table take their weights from it in the file's o
 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: what Q4_K_M, Q5_0 and Q4_1 files hold) and multiply by them
 with the CPU kernels of engine/kernels (cpu_quant.cpp), which compute exactly the values the gguf
 package's dequantiser gives (Q6_K and Q5_0 blocks are re-laid out at load into one byte per
-weight, the same values: `serving_layout`); every other tensor (norms, biases) is dense, from
+weight, the same values: `serving_layout`, and where the activations are int8, Q4_K blocks have
+their weights reordered for that product: `int8_layout`); every other tensor (norms, biases) is dense, from
 the converted checkpoint or the file (below). A tensor in a format the kernels do not read stays
 dense, and so does every projection fused with it.
 
@@ -47,9 +48,15 @@ QUANT_FORMATS: Mapping[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     14: ("Q6_K", 256, 210),
 }
-# Our own layout of Q6_K's values (see `serving_layout`); not a GGML type.
+# Our own layouts (not GGML types): Q6_K's values one byte each (see `serving_layout`), and Q4_K's
+# blocks in the order the int8-activation product reads (see `int8_layout`).
 Q6_K8 = 1014
-_LAYOUTS: Mapping[int, tuple[str, int, int]] = {**QUANT_FORMATS, Q6_K8: ("Q6_K8", 256, 274)}
+Q4_KT = 1012
+_LAYOUTS: Mapping[int, tuple[str, int, int]] = {
+    **QUANT_FORMATS,
+    Q6_K8: ("Q6_K8", 256, 274),
+    Q4_KT: ("Q4_KT", 256, 144),
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -82,7 +89,7 @@ class QuantTensor:
     """A [rows, columns] weight as GGUF blocks: `blocks` is uint8 [rows, bytes per row]."""
 
     blocks: torch.Tensor
-    qtype: int  # a GGML type id of QUANT_FORMATS, or Q6_K8
+    qtype: int  # a GGML type id of QUANT_FORMATS, Q6_K8 or Q4_KT
     columns: int
     origin: str = ""  # the file's format, where the blocks were re-laid out from it
 
@@ -287,6 +294,24 @@ def serving_layout(tensor: QuantTensor) -> QuantTensor:
         blocks = kernels.repack_q5_0(tensor.blocks, tensor.columns)
         return QuantTensor(blocks, 8, tensor.columns, origin="Q5_0")
     return tensor
+
+
+def int8_layout(tensor: QuantTensor) -> QuantTensor:
+    """The same weights in the layout the int8-activation product reads (`gguf_activations:
+    int8`): Q4_K becomes Q4_KT, the same 144 bytes a block with each block's 256 weights reordered
+    (an 8 x 8 transpose of groups of four, engine/kernels/gguf_blocks.h) so that every 32 of them
+    hold four of each sub-block, one sub-block per lane of the integer dot product; one
+    multiply-add per 32 weights and activation row instead of two. Other layouts are returned as
+    they are. Q4_KT has no float32-activation product; its values are unchanged
+    (tests/unit/test_int8_kernels.py)."""
+    from engine.kernels import cpu_kernels
+
+    if tensor.qtype != 12:
+        return tensor
+    kernels = cpu_kernels()
+    assert kernels is not None, "quantised weights need the CPU kernels"
+    blocks = kernels.repack_q4_k_t(tensor.blocks, tensor.columns)
+    return QuantTensor(blocks, Q4_KT, tensor.columns, origin=tensor.origin or "Q4_K")
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.bundled import ensure_dense_checkpoint
-from engine.models.gguf import QuantTensor, gguf_file, read_dense
+from engine.models.gguf import QuantTensor, gguf_file, int8_layout, read_dense
 from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -155,13 +155,14 @@ def load_model(
         raise ValueError(f"GGUF-quantised weights run on the CPU only, not on {device}.")
     _install_quantized(model, modules, dtype)
     model.to_empty(device=device)
+    layout = int8_layout if int8_activations else lambda tensor: tensor
     for name, parts in modules.items():
         module = model.get_submodule(name)
         if isinstance(module, QuantEmbedding):
-            module.set_weight(quantized[parts[0][1]])
+            module.set_weight(layout(quantized[parts[0][1]]))
         else:
             assert isinstance(module, QuantLinear)
-            module.set_weight([quantized[checkpoint] for _, checkpoint in parts])
+            module.set_weight([layout(quantized[checkpoint]) for _, checkpoint in parts])
         module.int8_activations = int8_activations
     used = {checkpoint for parts in modules.values() for _, checkpoint in parts}
     params = dict(model.named_parameters())

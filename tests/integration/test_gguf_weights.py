@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams, kernels
-from engine.models.gguf import GGUF_FILE_NAME
+from engine.models.gguf import GGUF_FILE_NAME, Q4_KT
 from engine.models.llama import QuantEmbedding, QuantLinear
 from tests.gguf_models import MIXED_FORMATS, Q, build_tiny_gguf_model
 from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
@@ -129,6 +129,9 @@ def test_speculation_with_int8_activations_is_lossless(gguf_llama, method):
     assert plain_llm.engine.runner.weight_format.endswith("int8 activations")
     modules = [m for m in plain_llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert modules and all(m.int8_activations for m in modules)
+    # Q4_K blocks are served in the int8 product's order (Q4_KT), still named by their file's format.
+    served = [(q, o) for m in modules for q, o in zip(m.qtypes, m.origins, strict=True)]
+    assert (Q4_KT, "Q4_K") in served and all(q != int(Q.Q4_K) for q, _ in served)
     assert plain != _greedy(LLM(str(gguf_llama), quantization="gguf"))  # the setting is in use
     spec = {
         "method": method,

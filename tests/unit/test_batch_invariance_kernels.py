@@ -23,7 +23,7 @@ import torch
 from engine import kernels
 from engine.attention.base import BatchLayout
 from engine.attention.cpu_paged import CpuAttentionBackend
-from engine.models.gguf import QuantTensor, serving_layout
+from engine.models.gguf import QuantTensor, int8_layout, serving_layout
 from engine.models.llama import float32_linear, linear
 from tests.gguf_models import Q, random_blocks
 
@@ -55,8 +55,9 @@ def _products() -> dict[str, object]:
         "float32 weights (LM head)": lambda x: float32_linear(x, dense),
     }
     for i, qtype in enumerate((Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0)):
-        part = _quant(qtype, OUT, seed=i)
         for int8 in (False, True):
+            part = _quant(qtype, OUT, seed=i)
+            part = int8_layout(part) if int8 else part  # as the loader serves it
             name = f"{part.format} blocks, {'int8' if int8 else 'float32'} activations"
             products[name] = lambda x, p=part, int8=int8: kernels.quant_linear(
                 x, [p.blocks], [p.qtype], bias, int8=int8
@@ -65,9 +66,10 @@ def _products() -> dict[str, object]:
     # K-quant runs take the int8 product and the Q8_0 run the float32 one, in one call.
     mixed = [_quant(Q.Q4_K, 32, 10), _quant(Q.Q6_K, 16, 11), _quant(Q.Q8_0, 48, 12)]
     for int8 in (False, True):
+        runs = [int8_layout(p) for p in mixed] if int8 else mixed
         products[f"mixed formats, {'int8' if int8 else 'float32'} activations"] = (
-            lambda x, int8=int8: kernels.quant_linear(
-                x, [p.blocks for p in mixed], [p.qtype for p in mixed], bias, int8=int8
+            lambda x, int8=int8, runs=runs: kernels.quant_linear(
+                x, [p.blocks for p in runs], [p.qtype for p in runs], bias, int8=int8
             )
         )
     return products

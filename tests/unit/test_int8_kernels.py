@@ -16,14 +16,14 @@ import torch
 from gguf.quants import dequantize
 
 from engine import kernels
-from engine.models.gguf import QuantTensor, serving_layout
+from engine.models.gguf import Q4_KT, QuantTensor, int8_layout, serving_layout
 from tests.gguf_models import Q, random_blocks
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
 )
 
-INT8_FORMATS = [Q.Q4_K, Q.Q6_K]  # served as Q4_K and Q6_K8
+INT8_FORMATS = [Q.Q4_K, Q.Q6_K]  # served as Q4_KT and Q6_K8
 ROOT = Path(__file__).parents[2]
 
 
@@ -36,7 +36,7 @@ def module():
 
 def _served(qtype: Q, rows: int, columns: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
     raw = random_blocks(np.random.default_rng(seed), qtype, rows, columns)
-    served = serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), columns))
+    served = int8_layout(serving_layout(QuantTensor(torch.from_numpy(raw), int(qtype), columns)))
     weight = torch.from_numpy(dequantize(raw, qtype).reshape(rows, columns))
     return served, weight
 
@@ -95,8 +95,8 @@ def test_a_row_is_computed_alike_whatever_the_batch(module, qtype):
 
 
 def test_both_instruction_sets_give_the_same_bits(module, tmp_path):
-    """AVX-512 VNNI's vpdpwssd and AVX2's vpmaddwd + vpaddd make the same integers: a server
-    started with SPECSERVE_CPU_ISA=avx2 samples the same tokens."""
+    """AVX-512 VNNI's vpdpbusd and vpdpwssd and AVX2's vpmaddubsw, vpmaddwd and adds make the
+    same integers: a server started with SPECSERVE_CPU_ISA=avx2 samples the same tokens."""
     served, _ = _served(Q.Q4_K, 24, 512, 5)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
     torch.save({"x": x, "blocks": served.blocks, "qtype": served.qtype}, tmp_path / "case.pt")
@@ -119,6 +119,77 @@ def test_both_instruction_sets_give_the_same_bits(module, tmp_path):
     assert torch.equal(torch.load(tmp_path / "out.pt"), ours)
 
 
+def test_q4_kt_holds_the_q4_k_weights_in_the_int8_products_order(module):
+    """int8_layout reorders each Q4_K block's weights (same bytes, same values: the header and
+    scales unchanged); the transpose is its own inverse; Q4_KT has only the int8 product, and
+    Q4_K in its file's order only the float32 one."""
+    raw = random_blocks(np.random.default_rng(11), Q.Q4_K, 6, 768)
+    q4_k = QuantTensor(torch.from_numpy(raw), int(Q.Q4_K), 768)
+    q4_kt = int8_layout(q4_k)
+    assert (q4_kt.qtype, q4_kt.format, q4_kt.blocks.shape) == (Q4_KT, "Q4_K", q4_k.blocks.shape)
+    assert torch.equal(q4_kt.dequantize(), q4_k.dequantize())
+    assert torch.equal(
+        q4_kt.dequantize(), torch.from_numpy(dequantize(raw, Q.Q4_K)).reshape(6, 768)
+    )
+    blocks = q4_kt.blocks.view(6, 3, 144)
+    assert torch.equal(blocks[..., :16], q4_k.blocks.view(6, 3, 144)[..., :16])
+    assert not torch.equal(q4_kt.blocks, q4_k.blocks)
+    assert torch.equal(module.repack_q4_k_t(q4_kt.blocks, 768), q4_k.blocks)
+    # Weight 32 s + 4 r + b of a block sits at position 32 r + 4 s + b: one block whose weights
+    # count 0, 1, 2, ... (mod 16) in the file's order, read back in the new one.
+    values = np.arange(256) % 16
+    one = raw[:1, :144].copy()
+    for c in range(4):
+        one[0, 16 + 32 * c : 48 + 32 * c] = values[64 * c : 64 * c + 32] | (
+            values[64 * c + 32 : 64 * c + 64] << 4
+        )
+    moved = module.repack_q4_k_t(torch.from_numpy(one), 256)[0, 16:].numpy()
+    order = np.concatenate(
+        [
+            np.stack([moved[32 * c : 32 * c + 32] & 15, moved[32 * c : 32 * c + 32] >> 4]).reshape(
+                -1
+            )
+            for c in range(4)
+        ]
+    )
+    expected = [(32 * s + 4 * r + b) % 16 for r in range(8) for s in range(8) for b in range(4)]
+    assert order.tolist() == expected
+    assert kernels.int8_supported(Q4_KT, 768) and not kernels.int8_supported(int(Q.Q4_K), 768)
+    with pytest.raises(RuntimeError, match="no float32-activation product"):
+        kernels.quant_linear(torch.randn(1, 768), [q4_kt.blocks], [Q4_KT])
+
+
+def test_the_largest_q4_kt_sums_are_exact_on_both_instruction_sets(module, tmp_path):
+    """Every weight 15, every scale and offset 63, every activation +-127 steps: the largest
+    integer sums a block can make (AVX2 adds eight pairs of products in 16 bits: 30,480 at most)
+    come out as the double-precision product on both instruction sets."""
+    raw = random_blocks(np.random.default_rng(12), Q.Q4_K, 16, 512)
+    blocks = raw.reshape(16, 2, 144)
+    blocks[..., 4:16] = 255  # six-bit scales and offsets all 63
+    blocks[..., 16:] = 255  # every nibble 15
+    served = int8_layout(QuantTensor(torch.from_numpy(raw), int(Q.Q4_K), 512))
+    x = torch.full((3, 512), 2.0)
+    x[1] = -2.0
+    x[2, ::2] = -2.0
+    weight = torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(16, 512)).double()
+    expected = x.double() @ weight.t()  # +-2 is 127 steps of 2 / 127: quantised exactly
+    ours = module.quant_linear_int8(x, [served.blocks], [Q4_KT], None)
+    assert torch.allclose(ours.double(), expected, rtol=1e-5, atol=1e-3)
+    torch.save({"x": x, "blocks": served.blocks}, tmp_path / "case.pt")
+    script = (
+        "import sys, torch; from engine import kernels; m = kernels.cpu_kernels(); "
+        "c = torch.load(sys.argv[1]); "
+        f"torch.save(m.quant_linear_int8(c['x'], [c['blocks']], [{Q4_KT}], None), sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+        env={**os.environ, "SPECSERVE_CPU_ISA": "avx2"},
+        check=True,
+        cwd=ROOT,
+    )
+    assert torch.equal(torch.load(tmp_path / "out.pt"), ours)
+
+
 def test_the_isa_is_vnni_where_the_cpu_has_it():
     flags: set[str] = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -138,7 +209,11 @@ def test_a_fused_projection_mixes_int8_and_float32_runs(module, rows):
     runs take int8 activations in one call, the Q8_0 run the float32 product, plus the bias."""
     rng = np.random.default_rng(rows)
     runs = [
-        serving_layout(QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512))
+        int8_layout(
+            serving_layout(
+                QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512)
+            )
+        )
         for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))
     ]
     blocks, qtypes = [run.blocks for run in runs], [run.qtype for run in runs]
@@ -192,8 +267,10 @@ def test_some_output_rows_alone_are_those_of_the_whole_product(int8):
     layer.bias = torch.nn.Parameter(torch.randn(72))
     layer.set_weight(
         [
-            serving_layout(
-                QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512)
+            (int8_layout if int8 else serving_layout)(
+                serving_layout(
+                    QuantTensor(torch.from_numpy(random_blocks(rng, q, n, 512)), int(q), 512)
+                )
             )
             for q, n in ((Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8))
         ]
