@@ -143,14 +143,15 @@ inline void score_tile(const float* q, int64_t D, int64_t j0, int64_t visible, K
   }
 }
 
-// o[0, 8 NV) = sum_j p_j v_j[0, 8 NV) over j in [0, visible) in order, one multiply-add per
-// term, the sums held in registers.
+// o[d0, d0 + 8 NV) += sum_j p_j v_j[d0, d0 + 8 NV) over j in [j0, j1) in order, one multiply-add
+// per term, the sums held in registers (from zero where `first`): blocks of keys taken in turn
+// give the sums of one pass over them all, the same operations in the same order.
 template <int NV, class T, class ValueRow>
-inline void weigh_values(const float* p, int64_t visible, int64_t d0, ValueRow&& value_row,
-                         float* o) {
+inline void weigh_values(const float* p, int64_t j0, int64_t j1, int64_t d0, bool first,
+                         ValueRow&& value_row, float* o) {
   __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int i = 0; i < NV; ++i) acc[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d0 + 8 * i);
+  for (int64_t j = j0; j < j1; ++j) {
     const T* v = value_row(j) + d0;
     const __m256 pj = _mm256_broadcast_ss(p + j);
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), acc[i]);
@@ -158,14 +159,26 @@ inline void weigh_values(const float* p, int64_t visible, int64_t d0, ValueRow&&
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
 }
 
+// Keys per block of the value pass: a block's value rows (64 columns of them at a time) stay in
+// cache while every query head of the group weighs them.
+constexpr int64_t kValueBlock = 64;
+
+// What one task keeps between the tokens it attends: per query head of a group its scaled query,
+// its scores (then weights), their total and its output sums, and each visible key's row offset.
+struct Scratch {
+  std::vector<float> q, scores, o, totals;
+  std::vector<int64_t> offsets;
+};
+
 // Query token t, KV head g: every query head of g's group attends over the token's visible keys.
 // A token's arithmetic depends only on its own query, its position and its request's cache: not
 // on the other tokens of the step, the other requests, or how the step's work is split among
-// threads, so its result is the same in a decode step, a verify step or any prompt chunk.
+// threads, so its result is the same in a decode step, a verify step or any prompt chunk. The
+// group's heads take each tile of keys and each block of values in turn while those rows are in
+// cache (each head's operations are those of a pass of its own: only their interleaving differs).
 template <class T>
 void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache, float scale,
-            T* out, int64_t t, int64_t g, std::vector<float>& scores, std::vector<float>& acc,
-            std::vector<int64_t>& offsets) {
+            T* out, int64_t t, int64_t g, Scratch& scratch) {
   const int64_t D = L.head_dim, group = L.num_heads / L.num_kv_heads;
   // The request t belongs to (query_start is sorted), and t's position among its query tokens.
   const int32_t* it = std::upper_bound(L.query_start, L.query_start + L.num_reqs + 1,
@@ -177,6 +190,7 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   const int64_t kv_stride = L.num_kv_heads * D;  // between consecutive slots
   // Where key j's row lies, worked out once for every head of the group and both passes (a
   // division per key and read, as it was, cost more than the key's multiply-adds).
+  std::vector<int64_t>& offsets = scratch.offsets;
   offsets.resize(visible);
   for (int64_t j = 0; j < visible; ++j) {
     const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
@@ -184,20 +198,28 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   }
   const auto key_row = [&](int64_t j) { return k_cache + offsets[j]; };
   const auto value_row = [&](int64_t j) { return v_cache + offsets[j]; };
-  scores.resize(visible);
-  acc.resize(2 * D);
-  float* q = acc.data() + D;
-  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-    to_float(query + (t * L.num_heads + h) * D, q, D, scale);
-    for (int64_t j = 0; j < visible; j += kKeyTile) score_tile<T>(q, D, j, visible, key_row, scores.data());
+  scratch.q.resize(group * D);
+  scratch.scores.resize(group * visible);
+  scratch.o.resize(group * D);
+  const auto q_of = [&](int64_t h) { return scratch.q.data() + h * D; };
+  const auto scores_of = [&](int64_t h) { return scratch.scores.data() + h * visible; };
+  const auto o_of = [&](int64_t h) { return scratch.o.data() + h * D; };
+  for (int64_t h = 0; h < group; ++h)
+    to_float(query + (t * L.num_heads + g * group + h) * D, q_of(h), D, scale);
+  for (int64_t j = 0; j < visible; j += kKeyTile)
+    for (int64_t h = 0; h < group; ++h) score_tile<T>(q_of(h), D, j, visible, key_row, scores_of(h));
+  std::vector<float>& totals = scratch.totals;
+  totals.resize(group);
+  for (int64_t h = 0; h < group; ++h) {
+    float* scores = scores_of(h);
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < visible; ++j) best = std::max(best, scores[j]);
     const __m256 best8 = _mm256_set1_ps(best);
     __m256 total8 = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= visible; j += 8) {
-      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + j), best8));
-      _mm256_storeu_ps(scores.data() + j, p);
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), best8));
+      _mm256_storeu_ps(scores + j, p);
       total8 = _mm256_add_ps(total8, p);
     }
     float total = horizontal_sum(total8);
@@ -205,20 +227,31 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
       scores[j] = std::exp(scores[j] - best);
       total += scores[j];
     }
-    float* o = acc.data();
+    totals[h] = total;
+  }
+  const int64_t d_vec = D / 8 * 8;  // columns the 8-lane passes take; the rest one at a time
+  for (int64_t j0 = 0; j0 < visible; j0 += kValueBlock) {
+    const int64_t j1 = std::min(visible, j0 + kValueBlock);
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) weigh_values<8, T>(scores.data(), visible, d0, value_row, o);
-    with_vectors((D - d0) / 8, [&](auto nv) {
-      weigh_values<decltype(nv)::value, T>(scores.data(), visible, d0, value_row, o);
-    });
-    for (int64_t d = d0 + (D - d0) / 8 * 8; d < D; ++d) {
+    for (; d0 + 64 <= D; d0 += 64)
+      for (int64_t h = 0; h < group; ++h)
+        weigh_values<8, T>(scores_of(h), j0, j1, d0, j0 == 0, value_row, o_of(h));
+    for (int64_t h = 0; h < group; ++h)
+      with_vectors((D - d0) / 8, [&](auto nv) {
+        weigh_values<decltype(nv)::value, T>(scores_of(h), j0, j1, d0, j0 == 0, value_row, o_of(h));
+      });
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float* scores = scores_of(h);
+    float* o = o_of(h);
+    for (int64_t d = d_vec; d < D; ++d) {
       float sum = 0.0f;
-      for (j = 0; j < visible; ++j) sum += scores[j] * static_cast<float>(value_row(j)[d]);
+      for (int64_t j = 0; j < visible; ++j) sum += scores[j] * static_cast<float>(value_row(j)[d]);
       o[d] = sum;
     }
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / totals[h];
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    store_row(o, out + (t * L.num_heads + h) * D, D);
+    store_row(o, out + (t * L.num_heads + g * group + h) * D, D);
   }
 }
 
@@ -274,11 +307,9 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
              slots.data_ptr<int64_t>(), L.num_tokens, L.num_kv_heads * L.head_dim,
              reinterpret_cast<T*>(k_cache.data_ptr()), reinterpret_cast<T*>(v_cache.data_ptr()));
     at::parallel_for(0, L.num_tokens * L.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      std::vector<int64_t> offsets;
+      Scratch scratch;
       for (int64_t i = begin; i < end; ++i)
-        attend<T>(L, qp, kc, vc, s, op, i / L.num_kv_heads, i % L.num_kv_heads, scores, acc,
-                  offsets);
+        attend<T>(L, qp, kc, vc, s, op, i / L.num_kv_heads, i % L.num_kv_heads, scratch);
     });
   };
   dispatch_float(q, "paged_attention", run);
