@@ -17,7 +17,10 @@ drafted at all (no earlier occurrence of the last n tokens: a drafter that costs
 still decode those one step each).
 
     python bench/lookup_ceiling.py [--config configs/default.yaml] [--workloads code_edit,code_gen]
-        [--max-tokens 96] [--requests 12] [--rounds 15] [--out bench/results/lookup-ceiling.json]
+        [--max-tokens 96] [--requests 12] [--rounds 15] [--num-speculative-tokens K]
+        [--out bench/results/lookup-ceiling.json]
+
+--num-speculative-tokens replays up to K drafts a step instead of the config's.
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--requests", type=int, default=12, help="per workload, at most")
     parser.add_argument("--rounds", type=int, default=15, help="timings of each step size")
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="the most drafts a step replays"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "lookup-ceiling.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -181,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = llm.get_tokenizer()
     lookup_max = int(spec.get("prompt_lookup_max", 4))
     lookup_min = int(spec.get("prompt_lookup_min", 2))
-    max_k = int(spec.get("num_speculative_tokens", 3))
+    max_k = args.num_speculative_tokens or int(spec.get("num_speculative_tokens", 3))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     workloads = {}
     for workload in args.workloads.split(","):
@@ -206,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host(),
         "cpu_isa": cpu_isa(),
         "config": args.config,
+        "num_speculative_tokens": max_k,
         "max_tokens": args.max_tokens,
         "step_context": context,
         "step_seconds": {str(n): seconds for n, seconds in measured.items()},
