@@ -1,6 +1,6 @@
 // GGUF linears with int8 activations: the weights' K-quant blocks (Q4_K as our Q4_KT, Q6_K as
-// our Q6_K8) multiplied by activations quantised to int8 per row and per 256 columns, in integer dot
-// products. This is the scheme llama.cpp's CPU backend uses for these formats (its Q8_K): each
+// our Q6_K8) multiplied by activations quantised to int8 per row and per 256 columns, in integer
+// dot products. This is the scheme llama.cpp's CPU backend uses for these formats (its Q8_K): each
 // block of 256 activations x is stored as d * q with d = max|x| / 127 and q = round(x / d) in
 // [-127, 127]. A weight block is s * qw - m per sub-block (Q4_K: 8 of 32 weights with 6-bit
 // integer scales sc and offsets mn, times the block's d and dmin; Q6_K8: 16 of 16 weights with
@@ -10,9 +10,10 @@
 // makes pairs of u8 weight x s8 activation products, vpmaddwd or VNNI's vpdpwssd multiplies them
 // by the sub-block scale and adds pairs. Q4_KT, whose order puts every sub-block in a lane of its
 // own (gguf_blocks.h): VNNI's vpdpbusd adds four products a lane, AVX2's vpmaddubsw pairs summed
-// in 16 bits (8 x 2 x 15 x 127 fits), and one multiply by the 8 scales ends the block. A float32 multiply-add per weight and row (cpu_quant.cpp)
-// becomes a quarter to a half of an integer instruction, so a step of several rows (a verify
-// step, a batch) costs far less than that many single-row steps.
+// in 16 bits (8 x 2 x 15 x 127 fits), and one multiply by the 8 scales ends the block. A float32
+// multiply-add per weight and row (cpu_quant.cpp) becomes a quarter to a half of an integer
+// instruction, so a step of several rows (a verify step, a batch) costs far less than that many
+// single-row steps.
 //
 // The result is that of the dequantised weights times the quantised activations, which differs
 // from the float32-activation product (x @ dequantize(W).T) by the activations' rounding: as
@@ -39,7 +40,7 @@
 namespace {
 
 constexpr int64_t kQ6_K8 = 1014;  // our id for Q6_K8 (cpu_quant.cpp); kQ4_KT is in gguf_blocks.h
-constexpr int64_t kBlock = 256;               // weights per block, activations per scale
+constexpr int64_t kBlock = 256;   // weights per block, activations per scale
 
 // Activations [M, K] quantised per row and per kBlock columns.
 struct Int8Rows {
@@ -93,18 +94,14 @@ inline __m128i q4k_scales_mins(const uint8_t* b) {
                         static_cast<int>(mn[1]));
 }
 
-// pshufb masks over 16-bit lanes: lane(s) puts 16-bit element s of each 128-bit half in every
-// lane; pair(g) puts element 2g in the low half's lanes and 2g + 1 in the high half's.
+// pshufb masks over 16-bit lanes (Q6_K8's scales): pair(g) puts element 2g in the low half's
+// lanes and 2g + 1 in the high half's.
 struct ShuffleMasks {
-  alignas(32) uint8_t lanes[8][32];
   alignas(32) uint8_t pairs[4][32];
   ShuffleMasks() {
-    for (int s = 0; s < 8; ++s)
-      for (int i = 0; i < 32; ++i) lanes[s][i] = static_cast<uint8_t>(2 * s + (i & 1));
     for (int g = 0; g < 4; ++g)
       for (int i = 0; i < 32; ++i) pairs[g][i] = static_cast<uint8_t>(2 * (2 * g + (i >= 16)) + (i & 1));
   }
-  __m256i lane(int s) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[s])); }
   __m256i pair(int g) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs[g])); }
 };
 const ShuffleMasks g_masks;

@@ -7,8 +7,8 @@ linear layers and the embedding table take their weights from it in the file's o
 with the CPU kernels of engine/kernels (cpu_quant.cpp), which compute exactly the values the gguf
 package's dequantiser gives (Q6_K and Q5_0 blocks are re-laid out at load into one byte per
 weight, the same values: `serving_layout`, and where the activations are int8, Q4_K blocks have
-their weights reordered for that product: `int8_layout`); every other tensor (norms, biases) is dense, from
-the converted checkpoint or the file (below). A tensor in a format the kernels do not read stays
+their weights reordered for that product: `int8_layout`); every other tensor (norms, biases) is
+dense, from the converted checkpoint or the file (below). A tensor in a format the kernels do not read stays
 dense, and so does every projection fused with it.
 
 `read_quantized` maps the file's tensor names to the checkpoint's, so the loader places both
