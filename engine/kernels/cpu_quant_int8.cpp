@@ -108,18 +108,26 @@ const ShuffleMasks g_masks;
 
 constexpr int64_t kRowChunk = 16;  // weight rows a thread takes at a time
 
-// Activation rows per pass over a weight row: each row holds two registers through a block, so
-// AVX2's 16 registers take 4 rows, AVX-512's 32 (its VL encodings of these 256-bit forms) 8.
+// Activation rows per pass over a weight row: each row holds one register (its integer sums)
+// through a block, its float sums staying in memory (int8_products.h), so AVX2's 16 registers take
+// 8 rows beside the weights. AVX-512's 32 (its VL encodings of these 256-bit forms) would take
+// 16, but Q6_K8's 16-row loop spills and was no faster (bench/kernels.py --gguf --int8).
 namespace avx2 {
-constexpr int kMaxTile = 4;
+constexpr int kMaxTile = 8;
 struct Ops {
   // acc + the pairwise sums of p * s (16-bit lanes, s the sub-block scales), exact in int32.
+  // The add is an asm statement: as an intrinsic, GCC regroups a block's chain of adds into a
+  // tree over all of its products, which holds them all at once and spills them to the stack.
   static __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+    __m256i sum;
+    asm("vpaddd %2, %1, %0" : "=x"(sum) : "x"(acc), "x"(_mm256_madd_epi16(p, s)));
+    return sum;
   }
   // Q4_KT: acc (16-bit lanes, 2 s and 2 s + 1 for sub-block s) + the pairs of w * x products.
+  // A saturating add, which never saturates here (8 x 2 x 15 x 127 < 2^15) and which, not being
+  // associative, GCC keeps in order (see madd_add).
   static __m256i q4_add(__m256i acc, __m256i w, __m256i x) {
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x));
+    return _mm256_adds_epi16(acc, _mm256_maddubs_epi16(w, x));
   }
   // The 8 scales (bytes 0-7) as 16-bit lanes, each twice: lanes 2 s and 2 s + 1 hold scale s.
   static __m256i q4_scales(__m128i scales_mins) {
