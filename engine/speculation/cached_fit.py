@@ -71,7 +71,7 @@ class CachedFit(StepTimeModel):
         served_t1, cached_t1 = ratio * self._fit.predict(1) * 1e3, self._fit.predict(1) * 1e3
         if ratio < 1.0 / FIT_MARGIN:
             self.state = "replaced"
-            self.values = [v * ratio for v in self._fit.values]
+            self.rescale([v * ratio for v in self._fit.values])
             self.context_coef = self._fit.context_coef * ratio
             self.row_coef = self._fit.row_coef * ratio
             removed = self._remove()

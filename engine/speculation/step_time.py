@@ -95,6 +95,12 @@ class StepTimeModel:
             raise ValueError("base_reads needs one value per grid point")
         self.grid = [int(g) for g in grid]
         self.values = _non_decreasing([max(float(v), 0.0) for v in values])
+        # What each grid point has learned on its own (`observe`); `values`, what predictions
+        # read, is their non-decreasing envelope. Learned values that were raised to the envelope
+        # would ratchet: a burst of slow one-token steps lifts t(1), the envelope lifts t(2)
+        # with it, and t(2) comes back down only through steps of two tokens, which the policy,
+        # now pricing them too dear, stops taking. Kept apart, t(2) is back when t(1) is.
+        self.learned = list(self.values)
         self.context_coef = max(float(context_coef), 0.0)
         self.row_coef = max(float(row_coef), 0.0)
         # The KV reads each grid point's own timing already holds (its shape's queries reading
@@ -147,10 +153,13 @@ class StepTimeModel:
         return cls(grid, values, context_coef, **kw)
 
     def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
+        return self._predict(self.values, n, context, rows)
+
+    def _predict(self, values: Sequence[float], n: int, context: int, rows: int) -> float:
         if n >= self.grid[-1]:
-            base = self.values[-1] + self._last_slope() * (n - self.grid[-1])
+            base = values[-1] + _slope(self.grid, values, len(self.grid) - 2) * (n - self.grid[-1])
         else:
-            base = _lerp(self.grid, self.values, n)
+            base = _lerp(self.grid, values, n)
         extra = max(context - _lerp(self.grid, self.base_reads, n), 0.0)
         return base + self.context_coef_at(n) * extra + self.row_coef * max(rows - 1, 0)
 
@@ -161,15 +170,21 @@ class StepTimeModel:
         return _lerp(self.context_grid, self.context_coefs, n)
 
     def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
-        """Move the grid values around n a step `rate` toward one measured step time."""
-        predicted = self.predict(n, context, rows)
+        """Move the learned grid values around n a step `rate` toward one measured step time,
+        judged against what they predict (not the envelope: a neighbour's excess is not n's)."""
+        predicted = self._predict(self.learned, n, context, rows)
         # A step slowed by something else (another process, a page fault) says little about
         # the device: one measurement moves the model by at most half its prediction.
         error = max(-0.5 * predicted, min(seconds - predicted, 0.5 * predicted))
         weights = _hat_weights(self.grid, n)
         for j, w in enumerate(weights):
-            self.values[j] = max(self.values[j] + self.rate * w * error, 0.0)
-        self.values = _non_decreasing(self.values)
+            self.learned[j] = max(self.learned[j] + self.rate * w * error, 0.0)
+        self.values = _non_decreasing(self.learned)
+
+    def rescale(self, values: Sequence[float]) -> None:
+        """Replace the grid values, learned and predicted alike."""
+        self.values = _non_decreasing([max(float(v), 0.0) for v in values])
+        self.learned = list(self.values)
 
     @property
     def knee(self) -> int:
@@ -218,10 +233,14 @@ class StepTimeModel:
         )
 
     def _slope(self, j: int) -> float:
-        return (self.values[j + 1] - self.values[j]) / (self.grid[j + 1] - self.grid[j])
+        return _slope(self.grid, self.values, j)
 
-    def _last_slope(self) -> float:
-        return self._slope(len(self.grid) - 2) if len(self.grid) > 1 else 0.0
+
+def _slope(grid: Sequence[int], ys: Sequence[float], j: int) -> float:
+    """The slope of ys over grid segment j (0 on a grid of one point)."""
+    if j < 0:
+        return 0.0
+    return (ys[j + 1] - ys[j]) / (grid[j + 1] - grid[j])
 
 
 def _lerp(grid: Sequence[int], ys: Sequence[float], n: int) -> float:

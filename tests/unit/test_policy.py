@@ -299,6 +299,26 @@ def test_observe_follows_a_slower_device() -> None:
     assert all(b >= a for a, b in itertools.pairwise(model.values))
 
 
+def test_a_burst_at_one_size_does_not_ratchet_its_neighbours_up() -> None:
+    """The envelope that keeps predictions non-decreasing is not learned: a burst of slow
+    one-token steps lifts t(2)'s prediction while it lasts, and once one-token steps are fast
+    again t(2) is back, with no two-token step observed in between (the policy, pricing them
+    dear, would not take any). Learned values lifted to the envelope stayed up for good."""
+    model = StepTimeModel([1, 2, 3, 4], [0.040, 0.045, 0.050, 0.055])
+    for _ in range(20):
+        model.observe(1, 0, 0.070)  # another process holds the machine
+    assert model.predict(2) >= model.predict(1) > 0.060  # the envelope: never t(2) < t(1)
+    for _ in range(60):
+        model.observe(1, 0, 0.040)
+    assert model.predict(1) == pytest.approx(0.040, rel=0.02)
+    assert model.predict(2) == pytest.approx(0.045, rel=0.02)
+    assert model.predict(3) == pytest.approx(0.050, rel=0.02)
+    # A step of two tokens still teaches t(2) against its own learned value.
+    for _ in range(60):
+        model.observe(2, 0, 0.048)
+    assert model.predict(2) == pytest.approx(0.048, rel=0.02)
+
+
 def test_to_dict_round_trip() -> None:
     model = StepTimeModel.fit(_samples(random.Random(3), noise=0.01))
     copy = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
