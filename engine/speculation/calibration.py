@@ -79,9 +79,9 @@ QUIET_SPREAD = 1.3
 
 def calibration_grid(max_num_batched_tokens: int, max_query_len: int = 1) -> list[int]:
     """The n to time: the base grid and every n up to max_query_len (1 + K: each size a verify
-    step of one request can have, timed rather than interpolated; on AVX2 a fifth row starts a
-    second pass over the weights, a step the grid's 4 and 8 would not show) below the budget,
-    and the budget itself."""
+    step of one request can have, timed rather than interpolated; where a row past a kernel's
+    tile starts a second pass over the weights, the grid's 4 and 8 would not show it) below the
+    budget, and the budget itself."""
     small = set(range(1, max_query_len + 1))
     grid = sorted(n for n in small.union(_BASE_GRID) if n < max_num_batched_tokens)
     return [*grid, max_num_batched_tokens]
