@@ -109,8 +109,8 @@ const ShuffleMasks g_masks;
 constexpr int64_t kRowChunk = 16;  // weight rows a thread takes at a time
 
 // Activation rows per pass over a weight row: each row holds one register (its integer sums)
-// through a block, its float sums staying in memory (int8_products.h), so AVX2's 16 registers take
-// 8 rows beside the weights. AVX-512's 32 (its VL encodings of these 256-bit forms) would take
+// through a block, its float sums an array updated once a block (int8_products.h), so AVX2's 16
+// registers take 8 rows beside the weights. AVX-512's 32 (its VL encodings of these 256-bit forms) would take
 // 16, but Q6_K8's 16-row loop spills and was no faster (bench/kernels.py --gguf --int8).
 namespace avx2 {
 constexpr int kMaxTile = 8;

@@ -7,7 +7,9 @@
 // No include guard: each inclusion is a separate set of definitions.
 
 // The loops over one weight row's blocks for MT activation rows (rows m .. m + MT - 1 of xr),
-// per format; the column's float sums are left in acc[j], one 8-lane register per row.
+// per format; the column's float sums are left in acc[8 j .. 8 j + 7] per row, an array the
+// compiler may keep in memory: updated once a block, they need no register through it, where
+// each row's integer sums need one.
 //
 // Q4_KT (gguf_blocks.h): each 32 unpacked weights hold four of every sub-block, sub-block s in
 // lane s, and the activations come transposed alike (xr.qt), so the products of a block add up
@@ -28,14 +30,11 @@ inline void q4kt_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
     const __m128i scales_mins = q4k_scales_mins(b);
     const int8_t* xbi = xq + bi * kBlock;
     __m256i dot[MT];
-#pragma GCC unroll 16
     for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
-#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // 32 bytes: 32 weights in the low nibbles, 32 in the high
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       const __m256i lo = _mm256_and_si256(v, nibble);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 16
       for (int j = 0; j < MT; ++j) {
         const int8_t* x = xbi + j * K + 64 * c;
         dot[j] = Ops::q4_add(dot[j], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -46,7 +45,6 @@ inline void q4kt_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const __m256 mins = _mm256_mul_ps(
         _mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
-#pragma GCC unroll 16
     for (int j = 0; j < MT; ++j) {
       const __m256 total = _mm256_cvtepi32_ps(Ops::q4_scaled(dot[j], scales));
       __m256 a = _mm256_fmadd_ps(total, _mm256_set1_ps(d * xd[j * B + bi]), _mm256_load_ps(acc + 8 * j));
@@ -73,14 +71,11 @@ inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
     const __m256i second = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scales, 1));
     const int8_t* xbi = xq + bi * kBlock;
     __m256i dot[MT];
-#pragma GCC unroll 16
     for (int j = 0; j < MT; ++j) dot[j] = _mm256_setzero_si256();
-#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {  // 32 weights: scale 2g for the first 16, 2g + 1 for the rest
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g));
       const __m256i q = _mm256_add_epi8(v, bias);
       const __m256i s = _mm256_shuffle_epi8(g < 4 ? first : second, g_masks.pair(g % 4));
-#pragma GCC unroll 16
       for (int j = 0; j < MT; ++j) {
         const int8_t* x = xbi + j * K + 32 * g;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -90,7 +85,6 @@ inline void q6k8_row(const uint8_t* w, int64_t num_blocks, const Int8Rows& xr, i
     // sum_k (q_k - 32) x_k = sum_k q_k x_k - 32 sum_k x_k, per scale group of 16.
     const __m256i scales32 = _mm256_slli_epi16(scales, 5);
     const float d = half_to_float(b + 272);
-#pragma GCC unroll 16
     for (int j = 0; j < MT; ++j) {
       const int64_t xb = j * B + bi;
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + xb * 16));
@@ -108,7 +102,6 @@ inline void part_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, const 
   for_tiles<kMaxTile>(xr.M, [&](int64_t m, auto mt) {
     constexpr int MT = decltype(mt)::value;
     alignas(32) float acc[8 * MT];
-    asm volatile("" : : "r"(acc) : "memory");
     for (int64_t n = n0; n < n1; ++n) {
       for (int j = 0; j < MT; ++j) _mm256_store_ps(acc + 8 * j, _mm256_setzero_ps());
       if (qtype == kQ4_KT) {

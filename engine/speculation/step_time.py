@@ -94,13 +94,13 @@ class StepTimeModel:
         if base_reads is not None and len(base_reads) != len(grid):
             raise ValueError("base_reads needs one value per grid point")
         self.grid = [int(g) for g in grid]
-        self.values = _non_decreasing([max(float(v), 0.0) for v in values])
-        # What each grid point has learned on its own (`observe`); `values`, what predictions
-        # read, is their non-decreasing envelope. Learned values that were raised to the envelope
-        # would ratchet: a burst of slow one-token steps lifts t(1), the envelope lifts t(2)
-        # with it, and t(2) comes back down only through steps of two tokens, which the policy,
-        # now pricing them too dear, stops taking. Kept apart, t(2) is back when t(1) is.
-        self.learned = list(self.values)
+        # `learned`: what each grid point has learned on its own (`observe`); `values`, what
+        # predictions read, is their non-decreasing envelope. Learned values that were raised to
+        # the envelope would ratchet: a burst of slow one-token steps lifts t(1), the envelope
+        # lifts t(2) with it, and t(2) comes back down only through steps of two tokens, which
+        # the policy, now pricing them too dear, stops taking. Kept apart, t(2) is back when
+        # t(1) is.
+        self.rescale(values)
         self.context_coef = max(float(context_coef), 0.0)
         self.row_coef = max(float(row_coef), 0.0)
         # The KV reads each grid point's own timing already holds (its shape's queries reading
