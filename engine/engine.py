@@ -41,6 +41,7 @@ from engine.speculation.speculator import (
 from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
 from engine.speculation.step_time import attention_reads
 from engine.startup import startup_phase
+from engine.step_trace import StepTrace
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.state import GrammarState
 from engine.tokenizer import eos_token_ids
@@ -135,6 +136,7 @@ class LLMEngine:
         # Seeds for requests that bring none: reproducible from the engine's own seed.
         self._seeds = random.Random(config.seed)
         self.metrics = EngineMetrics()
+        self.step_trace = StepTrace.from_env()  # off unless SPECSERVE_STEP_TRACE names a file
 
     @property
     def quantization(self) -> str:
@@ -265,6 +267,7 @@ class LLMEngine:
             num_generated=self.metrics.num_generation_tokens - num_generated,
         )
         self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
+        self.step_trace.write(stats, len(schedule.scheduled))
         for request in finished:  # freed once the policy has seen their last step
             self.speculator.free(request)
         return [group.refresh() for group in touched]

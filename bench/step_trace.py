@@ -1,0 +1,110 @@
+"""Summarise a step trace (SPECSERVE_STEP_TRACE, engine/step_trace.py) per policy mode.
+
+Per mode: steps, their seconds and the generation tokens they added (tokens/s as the policy
+bench's slices count it), the mean step split into forward, proposing and the rest, the mean
+query tokens, logits rows and scheduled requests per step, the share of steps in which some
+request drafted, the draft model's catch-up tokens, and the decision reasons. Then the steps
+that decode only (one query token per scheduled request, no drafts), by batch size, per mode:
+the same step shape in each mode, so a difference there is the mode's cost outside the shape.
+
+    python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def by_mode(steps: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each mode's totals and means over its steps."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in steps:
+        groups[s["mode"]].append(s)
+    out = {}
+    for mode, group in sorted(groups.items()):
+        n = len(group)
+        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        generated = sum(s["generated"] for s in group)
+        reasons: Counter[str] = Counter()
+        for s in group:
+            reasons.update(s["reasons"])
+        out[mode] = {
+            "steps": n,
+            "seconds": seconds,
+            "generated": generated,
+            "tokens_per_s": generated / seconds if seconds else 0.0,
+            "step_ms": 1e3 * seconds / n,
+            "forward_ms": 1e3 * sum(s["forward"] for s in group) / n,
+            "draft_ms": 1e3 * sum(s["draft"] for s in group) / n,
+            "overhead_ms": 1e3 * sum(s["overhead"] for s in group) / n,
+            "tokens": sum(s["tokens"] for s in group) / n,
+            "rows": sum(s["rows"] for s in group) / n,
+            "scheduled": sum(s["scheduled"] for s in group) / n,
+            "drafting_steps": sum(1 for s in group if s["drafting"]) / n,
+            "accepted_per_draft_token": (
+                sum(s["accepted"] for s in group) / max(1, sum(s["draft_tokens"] for s in group))
+            ),
+            "catch_up": sum(s["catch_up"] for s in group),
+            "reasons": dict(reasons.most_common()),
+        }
+    return out
+
+
+def decode_only(steps: Iterable[dict[str, Any]]) -> dict[int, dict[str, tuple[int, float]]]:
+    """Steps that decode only, by batch size: per mode (count, median forward ms)."""
+    groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in steps:
+        if s["tokens"] == s["scheduled"] == s["rows"] and not s["drafting"]:
+            groups[s["scheduled"]][s["mode"]].append(1e3 * s["forward"])
+    return {
+        size: {m: (len(v), statistics.median(v)) for m, v in sorted(modes.items())}
+        for size, modes in sorted(groups.items())
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument(
+        "--since", type=float, default=0.0, help="skip the trace's first SECONDS (start-up)"
+    )
+    parser.add_argument("--json", help="write the summary as JSON here")
+    args = parser.parse_args(argv)
+    steps = load(args.trace)
+    if not steps:
+        sys.exit(f"{args.trace}: no steps")
+    start = steps[0]["t"]
+    steps = [s for s in steps if s["t"] - start >= args.since]
+    modes = by_mode(steps)
+    keys = ["steps", "tokens_per_s", "step_ms", "forward_ms", "draft_ms", "overhead_ms"]
+    keys += ["tokens", "rows", "scheduled", "drafting_steps", "catch_up"]
+    print("| mode | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for mode, m in modes.items():
+        cells = [f"{m[k]:.3g}" if isinstance(m[k], float) else str(m[k]) for k in keys]
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+    for mode, m in modes.items():
+        print(f"{mode} reasons: {m['reasons']}")
+    sizes = decode_only(steps)
+    print("\ndecode-only steps, forward ms (median) by batch size:")
+    for size, per_mode in sizes.items():
+        cells = ", ".join(f"{m} {ms:.1f} ({n})" for m, (n, ms) in per_mode.items())
+        print(f"  {size:3d}: {cells}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"modes": modes, "decode_only": sizes}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The step trace (SPECSERVE_STEP_TRACE): one line per engine step, agreeing with the engine's own
+counters; and bench/step_trace.py's summary of it per mode."""
+
+from __future__ import annotations
+
+import json
+
+from bench.step_trace import by_mode, decode_only
+from engine.sampling_params import SamplingParams
+from tests.conftest import ngram_llm
+
+# Token ids (the tiny model has no tokenizer) that repeat, so n-gram lookups find drafts.
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4]]
+
+
+def test_the_trace_has_a_line_per_step_that_adds_up_to_the_engines_counters(
+    tiny_llama, tmp_path, monkeypatch
+) -> None:
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("SPECSERVE_STEP_TRACE", str(path))
+    llm = ngram_llm(tiny_llama)
+    engine = llm.engine
+    steps = 0
+    original = engine.step
+
+    def counted():
+        nonlocal steps
+        outputs = original()
+        steps += 1
+        return outputs
+
+    engine.step = counted
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+
+    assert len(lines) == steps > 0
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+    assert {line["mode"] for line in lines} == {"always"}
+    assert sum(line["generated"] for line in lines) == sum(
+        len(o.outputs[0].token_ids) for o in outputs
+    )
+    stats = engine.spec_stats
+    assert sum(line["draft_tokens"] for line in lines) == stats.num_draft_tokens > 0
+    assert sum(line["accepted"] for line in lines) == stats.num_accepted_tokens
+    decisions = sum(sum(line["reasons"].values()) for line in lines)
+    assert decisions == sum(engine.policy_stats.decisions.values())
+    for line in lines:
+        assert line["tokens"] >= line["rows"] >= 0 and line["scheduled"] >= 1
+        assert line["forward"] > 0 and line["overhead"] >= 0 and line["draft"] >= 0
+
+    summary = by_mode(lines)["always"]
+    assert summary["steps"] == steps
+    assert summary["generated"] == sum(line["generated"] for line in lines)
+    assert 0 < summary["drafting_steps"] <= 1
+    assert summary["accepted_per_draft_token"] == stats.num_accepted_tokens / (
+        stats.num_draft_tokens
+    )
+
+
+def test_without_the_variable_nothing_is_traced(tiny_llama, monkeypatch) -> None:
+    monkeypatch.delenv("SPECSERVE_STEP_TRACE", raising=False)
+    llm = ngram_llm(tiny_llama)
+    assert not llm.engine.step_trace.is_on
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def test_decode_only_groups_steps_of_one_token_per_request_by_batch_size() -> None:
+    def step(mode, tokens, rows, scheduled, forward, drafting=0):
+        return {
+            "mode": mode,
+            "tokens": tokens,
+            "rows": rows,
+            "scheduled": scheduled,
+            "forward": forward,
+            "drafting": drafting,
+        }
+
+    steps = [
+        step("off", 4, 4, 4, 0.1),
+        step("off", 4, 4, 4, 0.3),
+        step("auto", 4, 4, 4, 0.2),
+        step("auto", 6, 6, 4, 0.5, drafting=1),  # drafts: not decode-only
+        step("off", 40, 2, 2, 0.9),  # a prompt chunk
+        step("auto", 2, 2, 2, 0.05),
+    ]
+    assert decode_only(steps) == {
+        2: {"auto": (1, 50.0)},
+        4: {"auto": (1, 200.0), "off": (2, 200.0)},
+    }
