@@ -6,8 +6,12 @@ query tokens, logits rows and scheduled requests per step, the share of steps in
 request drafted, the draft model's catch-up tokens, and the decision reasons. Then the steps
 that decode only (one query token per scheduled request, no drafts), by batch size, per mode:
 the same step shape in each mode, so a difference there is the mode's cost outside the shape.
+Last, the runs of one mode in turn (a sliced bench's slices: consecutive steps of one mode,
+a gap of over --gap seconds also ending one): each run's tokens/s beside the median forward of its
+decode-only steps at the run's commonest batch size. A slice slow at the same step shape as its
+neighbours was slowed by the host, not by its mode.
 
-    python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--json OUT]
+    python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--gap 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -73,12 +77,48 @@ def decode_only(steps: Iterable[dict[str, Any]]) -> dict[int, dict[str, tuple[in
     }
 
 
+def runs(steps: Sequence[dict[str, Any]], gap: float = 3.0) -> list[dict[str, Any]]:
+    """Consecutive steps of one mode (a gap of over `gap` seconds also ends a run): each run's
+    start (seconds into the trace), mode, steps, tokens/s over its step seconds, mean scheduled
+    requests, and its decode-only steps at its commonest batch size (count, median forward ms)."""
+    groups: list[list[dict[str, Any]]] = []
+    for s in steps:
+        if groups and s["mode"] == groups[-1][-1]["mode"] and s["t"] - groups[-1][-1]["t"] <= gap:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    out = []
+    for group in groups:
+        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        size = Counter(s["scheduled"] for s in group).most_common(1)[0][0]
+        decode = [
+            1e3 * s["forward"]
+            for s in group
+            if s["tokens"] == s["rows"] == s["scheduled"] == size and not s["drafting"]
+        ]
+        out.append(
+            {
+                "start": group[0]["t"] - steps[0]["t"],
+                "mode": group[0]["mode"],
+                "steps": len(group),
+                "tokens_per_s": sum(s["generated"] for s in group) / seconds if seconds else 0.0,
+                "scheduled": sum(s["scheduled"] for s in group) / len(group),
+                "batch": size,
+                "decode_steps": len(decode),
+                "decode_forward_ms": statistics.median(decode) if decode else None,
+            }
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
     parser.add_argument(
         "--since", type=float, default=0.0, help="skip the trace's first SECONDS (start-up)"
     )
+    parser.add_argument("--gap", type=float, default=3.0, help="seconds that end a run")
+    parser.add_argument("--min-steps", type=int, default=20, help="runs shorter are not shown")
     parser.add_argument("--json", help="write the summary as JSON here")
     args = parser.parse_args(argv)
     steps = load(args.trace)
@@ -101,9 +141,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     for size, per_mode in sizes.items():
         cells = ", ".join(f"{m} {ms:.1f} ({n})" for m, (n, ms) in per_mode.items())
         print(f"  {size:3d}: {cells}")
+    turns = [r for r in runs(steps, args.gap) if r["steps"] >= args.min_steps]
+    print("\nruns of one mode: start s, mode, steps, tokens/s, batch, decode-only forward ms:")
+    for r in turns:
+        forward = r["decode_forward_ms"]
+        print(
+            f"  {r['start']:7.0f} {r['mode']:>6} {r['steps']:5d} {r['tokens_per_s']:6.1f}"
+            f" {r['batch']:3d} " + (f"{forward:6.0f} ({r['decode_steps']})" if forward else "-")
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"modes": modes, "decode_only": sizes}, f, indent=1)
+            json.dump({"modes": modes, "decode_only": sizes, "runs": turns}, f, indent=1)
 
 
 if __name__ == "__main__":

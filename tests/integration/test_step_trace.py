@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 
-from bench.step_trace import by_mode, decode_only
+import pytest
+
 from engine.sampling_params import SamplingParams
 from tests.conftest import ngram_llm
+from tests.unit.bench_scripts import load_bench_script
+
+(step_trace,) = load_bench_script("step_trace.py")
 
 # Token ids (the tiny model has no tokenizer) that repeat, so n-gram lookups find drafts.
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4]]
@@ -49,7 +53,7 @@ def test_the_trace_has_a_line_per_step_that_adds_up_to_the_engines_counters(
         assert line["tokens"] >= line["rows"] >= 0 and line["scheduled"] >= 1
         assert line["forward"] > 0 and line["overhead"] >= 0 and line["draft"] >= 0
 
-    summary = by_mode(lines)["always"]
+    summary = step_trace.by_mode(lines)["always"]
     assert summary["steps"] == steps
     assert summary["generated"] == sum(line["generated"] for line in lines)
     assert 0 < summary["drafting_steps"] <= 1
@@ -84,7 +88,45 @@ def test_decode_only_groups_steps_of_one_token_per_request_by_batch_size() -> No
         step("off", 40, 2, 2, 0.9),  # a prompt chunk
         step("auto", 2, 2, 2, 0.05),
     ]
-    assert decode_only(steps) == {
+    assert step_trace.decode_only(steps) == {
         2: {"auto": (1, 50.0)},
         4: {"auto": (1, 200.0), "off": (2, 200.0)},
     }
+
+
+def test_runs_split_at_each_mode_switch_and_gap_and_read_the_commonest_batch() -> None:
+    def step(t, mode, scheduled, forward, generated, tokens=None):
+        tokens = scheduled if tokens is None else tokens
+        return {
+            "t": t,
+            "mode": mode,
+            "tokens": tokens,
+            "rows": scheduled,
+            "forward": forward,
+            "draft": 0.0,
+            "overhead": 0.0,
+            "generated": generated,
+            "scheduled": scheduled,
+            "drafting": 0,
+        }
+
+    steps = [
+        step(0.0, "off", 4, 0.1, 4),
+        step(0.1, "off", 4, 0.3, 4),
+        step(0.4, "off", 3, 0.2, 3),
+        step(0.6, "auto", 4, 0.2, 8, tokens=8),  # not decode-only
+        step(0.8, "auto", 4, 0.4, 4),
+        step(9.0, "auto", 2, 0.5, 2),  # after a gap: a run of its own
+    ]
+    turns = step_trace.runs(steps, gap=3.0)
+    assert [(r["mode"], r["steps"], r["batch"]) for r in turns] == [
+        ("off", 3, 4),
+        ("auto", 2, 4),
+        ("auto", 1, 2),
+    ]
+    assert (
+        turns[0]["tokens_per_s"] == pytest.approx(11 / 0.6)
+        and turns[0]["decode_forward_ms"] == 200.0
+    )
+    assert turns[1]["decode_steps"] == 1 and turns[1]["decode_forward_ms"] == 400.0
+    assert turns[2]["start"] == 9.0
