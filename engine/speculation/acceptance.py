@@ -66,7 +66,10 @@ class AcceptanceTracker:
     prior says "does not pay" would never draft and never learn otherwise (a draft model whose
     code-edit drafts are mostly accepted stayed off for whole answers at a prior of 0.6). The
     bound is wide while a request has few trials, so it is tried on its first steps, and narrows
-    as its verifies come in. A lookup's estimate also learns while its request is paused (shadow
+    as its verifies come in: its width counts every trial the request has had, not the decayed
+    sums alpha is read from (those hold about ten verifies' worth whatever the request's age, so
+    a width read from them stopped narrowing at about 0.14 and kept a draft model whose drafts
+    were kept about 58% of the time judged at 0.72, past its break-even, for whole answers). A lookup's estimate also learns while its request is paused (shadow
     drafts, engine/speculation/stats.py), so the policy judges it by `alpha`.
 
     The fixed prior plus that bound tries every new request (0.6 with two pseudo-trials reads
@@ -91,8 +94,8 @@ class AcceptanceTracker:
         self.decay = decay
         self.prior_weight = prior_weight
         self.optimism = optimism
-        # id -> (method, accepted, trials, verifies)
-        self._state: dict[str, tuple[str, float, float, int]] = {}
+        # id -> (method, accepted, trials, verifies, every trial undecayed)
+        self._state: dict[str, tuple[str, float, float, int, float]] = {}
         # method -> (accepted, trials) over the engine's recent requests, for the pooled methods
         self._pool: dict[str, tuple[float, float]] = {m: (0.0, 0.0) for m in pooled}
 
@@ -103,11 +106,14 @@ class AcceptanceTracker:
             raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} drafts")
         if num_draft_tokens == 0:
             return
-        _, accepted, trials, verifies = self._state.get(request_id, (method, 0.0, 0.0, 0))
+        _, accepted, trials, verifies, seen = self._state.get(
+            request_id, (method, 0.0, 0.0, 0, 0.0)
+        )
         is_rejected = num_accepted < num_draft_tokens
         accepted = self.decay * accepted + num_accepted
         trials = self.decay * trials + num_accepted + is_rejected
-        self._state[request_id] = (method, accepted, trials, verifies + 1)
+        seen += num_accepted + is_rejected
+        self._state[request_id] = (method, accepted, trials, verifies + 1, seen)
         if method in self._pool:
             pool_accepted, pool_trials = self._pool[method]
             self._pool[method] = (
@@ -133,22 +139,25 @@ class AcceptanceTracker:
         kept = (1.0 - share) * self.prior_weight
         return pooled * accepted / trials + kept * fixed, pooled + kept
 
-    def _estimate(self, request_id: str, method: str) -> tuple[float, float]:
-        """(alpha, its trials counting the prior's pseudo-trials)."""
-        _, accepted, trials, verifies = self._state.get(request_id, (method, 0.0, 0.0, 0))
+    def _estimate(self, request_id: str, method: str) -> tuple[float, float, float]:
+        """(alpha, its trials counting the prior's pseudo-trials, every trial the request has
+        had, undecayed, counting the prior's pseudo-trials)."""
+        _, accepted, trials, verifies, seen = self._state.get(
+            request_id, (method, 0.0, 0.0, 0, 0.0)
+        )
         pseudo_accepted, pseudo_trials = self._prior(method, verifies)
         trials += pseudo_trials
-        return (accepted + pseudo_accepted) / trials, trials
+        return (accepted + pseudo_accepted) / trials, trials, seen + pseudo_trials
 
     def alpha(self, request_id: str, method: str) -> float:
         """The estimate for a request; its method's prior (or pool) when it has no history yet."""
         return self._estimate(request_id, method)[0]
 
     def upper_bound(self, request_id: str, method: str) -> float:
-        """alpha plus `optimism` standard errors of it, its trials counting the prior's: what
-        the policy decides by (see the class docstring)."""
-        alpha, trials = self._estimate(request_id, method)
-        error = math.sqrt(alpha * (1.0 - alpha) / trials)
+        """alpha plus `optimism` standard errors of it over every trial the request has had
+        (undecayed) and the prior's: what the policy decides by (see the class docstring)."""
+        alpha, _, seen = self._estimate(request_id, method)
+        error = math.sqrt(alpha * (1.0 - alpha) / seen)
         return min(1.0, alpha + self.optimism * error)
 
     def forget(self, request_id: str) -> None:

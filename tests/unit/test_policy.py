@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,12 @@ import pytest
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.speculation.acceptance import AcceptanceTracker, expected_tokens
+from engine.speculation.acceptance import (
+    ACCEPTANCE_DECAY,
+    PRIOR_WEIGHT,
+    AcceptanceTracker,
+    expected_tokens,
+)
 from engine.speculation.goodput import (
     AffineDraftCost,
     StepShape,
@@ -385,6 +391,26 @@ def test_the_upper_bound_is_wide_without_history_and_narrows_with_it() -> None:
         AcceptanceTracker(optimism=-1.0)
 
 
+def test_the_upper_bound_keeps_narrowing_past_the_decays_horizon() -> None:
+    """alpha reads decayed sums (about ten verifies' worth), but the bound's width counts every
+    trial: a request drafting one token a step, 58% of them kept, is judged near 0.58 once it
+    has a hundred verifies behind it, not at the 0.72 a width from the decayed sums holds it at;
+    and alpha still follows a change."""
+    tracker = AcceptanceTracker()
+    rng = random.Random(5)
+    widths = []
+    for _ in range(200):
+        tracker.observe("r", "draft_model", 1, int(rng.random() < 0.58))
+        widths.append(tracker.upper_bound("r", "draft_model") - tracker.alpha("r", "draft_model"))
+    alpha = tracker.alpha("r", "draft_model")
+    decayed = math.sqrt(alpha * (1 - alpha) / (1 / (1 - ACCEPTANCE_DECAY) + PRIOR_WEIGHT))
+    assert widths[20] < 0.8 * decayed and widths[-1] < 0.4 * decayed and widths[-1] < 0.05
+    assert max(widths[100:]) < min(widths[:20])
+    for _ in range(20):  # the text turns predictable: alpha follows within a few verifies
+        tracker.observe("r", "draft_model", 1, 1)
+    assert tracker.alpha("r", "draft_model") > 0.85
+
+
 def test_a_model_drafters_new_request_starts_from_its_recent_requests() -> None:
     """A pooled method's new request starts near what the method kept on the requests before it
     (not the fixed 0.6 and its wide bound); its own verifies take over within a few (a request
@@ -422,9 +448,10 @@ def test_a_model_drafters_new_request_starts_from_its_recent_requests() -> None:
 
 def test_lookups_are_judged_by_their_estimate_and_a_draft_model_by_its_upper_bound() -> None:
     """Speculating costs 1.3 steps beyond the free drafts below the knee: four drafts pay for a
-    decoding request accepting 0.65 a token, not 0.52. Evidence at 0.52 from one-token trials
-    (as a paused lookup's shadows give) leaves its upper bound near 0.67: a lookup, which keeps
-    learning while paused, stays off; a draft model, which learns only by drafting, is tried."""
+    decoding request accepting 0.65 a token, not 0.52. Evidence at 0.52 from ten one-token
+    trials (as a paused lookup's shadows give) leaves its upper bound near 0.67: a lookup, which
+    keeps learning while paused, stays off; a draft model, which learns only by drafting, is
+    tried. Thirty-one trials more at the same rate narrow its bound below 0.6: it stops too."""
     policy = SpeculationPolicy("auto", 4, FlatThenLinear())
     for _ in range(30):
         policy.observe(StepStats((), (VerifyResult("x", "ngram", 1, 1),), 1, 1, 0, 1.0, 0.0, 1.3))
@@ -432,16 +459,23 @@ def test_lookups_are_judged_by_their_estimate_and_a_draft_model_by_its_upper_bou
     lookup, model = (
         Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64) for i in range(2)
     )
-    for i in range(40):
-        for request, source in ((lookup, "ngram"), (model, "draft_model")):
-            result = VerifyResult(request.request_id, source, 1, i % 2, is_shadow=True)
-            policy.observe(StepStats((), (result,), 1, 1, 0, 1.0, 0.0, 0.0))
+
+    def trials(num: int) -> None:
+        for i in range(num):
+            for request, source in ((lookup, "ngram"), (model, "draft_model")):
+                result = VerifyResult(request.request_id, source, 1, i % 2, is_shadow=True)
+                policy.observe(StepStats((), (result,), 1, 1, 0, 1.0, 0.0, 0.0))
+
+    trials(10)
     assert policy.tracker.alpha("r0/ngram", "ngram") == pytest.approx(0.52, abs=0.01)
     assert policy.tracker.upper_bound("r0/ngram", "ngram") == pytest.approx(0.67, abs=0.01)
     assert expected_tokens(0.52, 4) < 2.3 < expected_tokens(0.65, 4)
     step = StepShape(1, 1, 0, 256, 1)
     assert policy.decide([Candidate(lookup, 4, "ngram")], step)[0].num_draft_tokens == 0
     assert policy.decide([Candidate(model, 4, "draft_model")], step)[0].num_draft_tokens == 4
+    trials(31)
+    assert policy.tracker.upper_bound("r1/draft_model", "draft_model") < 0.6
+    assert policy.decide([Candidate(model, 4, "draft_model")], step)[0].num_draft_tokens == 0
 
 
 def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_error() -> None:
