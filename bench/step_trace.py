@@ -3,7 +3,8 @@
 Per mode: steps, their seconds and the generation tokens they added (tokens/s as the policy
 bench's slices count it), the mean step split into forward, proposing and the rest, the mean
 query tokens, logits rows and scheduled requests per step, the share of steps in which some
-request drafted, the draft model's catch-up tokens, and the decision reasons. Then the steps
+request drafted, the draft model's catch-up tokens, the decision reasons, and per kind of step
+(decode-only, drafting, with a prompt chunk) its share of the time and its tokens/s. Then the steps
 that decode only (one query token per scheduled request, no drafts), by batch size, per mode:
 the same step shape in each mode, so a difference there is the mode's cost outside the shape.
 Last, the runs of one mode in turn (a sliced bench's slices: consecutive steps of one mode,
@@ -11,13 +12,14 @@ a gap of over --gap seconds also ending one): each run's tokens/s beside the med
 decode-only steps at the run's commonest batch size. A slice slow at the same step shape as its
 neighbours was slowed by the host, not by its mode.
 
-    python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--gap 3] [--json OUT]
+    python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--until SECONDS] [--gap 3] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -61,6 +63,31 @@ def by_mode(steps: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             ),
             "catch_up": sum(s["catch_up"] for s in group),
             "reasons": dict(reasons.most_common()),
+            "kinds": kinds(group, seconds),
+        }
+    return out
+
+
+def kind(step: dict[str, Any]) -> str:
+    """decode (one query token per request, no drafts), drafting (decode rows and drafts) or
+    prompt (some prompt chunk in it)."""
+    if step["tokens"] > step["scheduled"] + step["draft_tokens"]:
+        return "prompt"
+    return "drafting" if step["drafting"] else "decode"
+
+
+def kinds(steps: Sequence[dict[str, Any]], total: float) -> dict[str, dict[str, float]]:
+    """Per kind of step: how many, their share of the seconds, their tokens/s."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in steps:
+        groups[kind(s)].append(s)
+    out = {}
+    for name, group in sorted(groups.items()):
+        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        out[name] = {
+            "steps": len(group),
+            "time_share": seconds / total if total else 0.0,
+            "tokens_per_s": sum(s["generated"] for s in group) / seconds if seconds else 0.0,
         }
     return out
 
@@ -119,13 +146,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--gap", type=float, default=3.0, help="seconds that end a run")
     parser.add_argument("--min-steps", type=int, default=20, help="runs shorter are not shown")
+    parser.add_argument("--until", type=float, help="and its steps after SECONDS")
     parser.add_argument("--json", help="write the summary as JSON here")
     args = parser.parse_args(argv)
     steps = load(args.trace)
     if not steps:
         sys.exit(f"{args.trace}: no steps")
     start = steps[0]["t"]
-    steps = [s for s in steps if s["t"] - start >= args.since]
+    until = math.inf if args.until is None else args.until
+    steps = [s for s in steps if args.since <= s["t"] - start <= until]
     modes = by_mode(steps)
     keys = ["steps", "tokens_per_s", "step_ms", "forward_ms", "draft_ms", "overhead_ms"]
     keys += ["tokens", "rows", "scheduled", "drafting_steps", "catch_up"]
@@ -136,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"| {mode} | " + " | ".join(cells) + " |")
     for mode, m in modes.items():
         print(f"{mode} reasons: {m['reasons']}")
+        for name, k in m["kinds"].items():
+            print(
+                f"  {name} steps: {k['steps']}, {100 * k['time_share']:.0f}% of the time, "
+                f"{k['tokens_per_s']:.1f} tokens/s"
+            )
     sizes = decode_only(steps)
     print("\ndecode-only steps, forward ms (median) by batch size:")
     for size, per_mode in sizes.items():

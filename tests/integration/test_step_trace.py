@@ -130,3 +130,29 @@ def test_runs_split_at_each_mode_switch_and_gap_and_read_the_commonest_batch() -
     )
     assert turns[1]["decode_steps"] == 1 and turns[1]["decode_forward_ms"] == 400.0
     assert turns[2]["start"] == 9.0
+
+
+def test_kinds_split_a_modes_time_into_decode_drafting_and_prompt_steps() -> None:
+    def step(tokens, scheduled, drafting, draft_tokens, forward, generated):
+        return {
+            "tokens": tokens,
+            "scheduled": scheduled,
+            "drafting": drafting,
+            "draft_tokens": draft_tokens,
+            "forward": forward,
+            "draft": 0.0,
+            "overhead": 0.0,
+            "generated": generated,
+        }
+
+    steps = [
+        step(4, 4, 0, 0, 0.1, 4),  # decode
+        step(7, 4, 1, 3, 0.2, 6),  # drafting
+        step(30, 4, 0, 0, 0.3, 3),  # a prompt chunk beside decode rows
+        step(33, 4, 1, 3, 0.4, 5),  # a prompt chunk and drafts
+    ]
+    split = step_trace.kinds(steps, 1.0)
+    assert {k: v["steps"] for k, v in split.items()} == {"decode": 1, "drafting": 1, "prompt": 2}
+    assert split["prompt"]["time_share"] == pytest.approx(0.7)
+    assert split["drafting"]["tokens_per_s"] == pytest.approx(30.0)
+    assert split["prompt"]["tokens_per_s"] == pytest.approx(8 / 0.7)
