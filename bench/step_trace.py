@@ -32,6 +32,19 @@ def load(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def seconds_of(steps: Iterable[dict[str, Any]]) -> float:
+    """The steps' seconds: forward and verify, proposing and the rest (StepStats.seconds)."""
+    return sum(s["forward"] + s["draft"] + s["overhead"] for s in steps)
+
+
+def kind(step: dict[str, Any]) -> str:
+    """decode (one query token per request, no drafts), drafting (decode rows and drafts) or
+    prompt (some prompt chunk in it)."""
+    if step["tokens"] > step["scheduled"] + step["draft_tokens"]:
+        return "prompt"
+    return "drafting" if step["drafting"] else "decode"
+
+
 def by_mode(steps: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each mode's totals and means over its steps."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -40,7 +53,7 @@ def by_mode(steps: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for mode, group in sorted(groups.items()):
         n = len(group)
-        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        seconds = seconds_of(group)
         generated = sum(s["generated"] for s in group)
         reasons: Counter[str] = Counter()
         for s in group:
@@ -68,14 +81,6 @@ def by_mode(steps: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def kind(step: dict[str, Any]) -> str:
-    """decode (one query token per request, no drafts), drafting (decode rows and drafts) or
-    prompt (some prompt chunk in it)."""
-    if step["tokens"] > step["scheduled"] + step["draft_tokens"]:
-        return "prompt"
-    return "drafting" if step["drafting"] else "decode"
-
-
 def kinds(steps: Sequence[dict[str, Any]], total: float) -> dict[str, dict[str, float]]:
     """Per kind of step: how many, their share of the seconds, their tokens/s."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -83,7 +88,7 @@ def kinds(steps: Sequence[dict[str, Any]], total: float) -> dict[str, dict[str, 
         groups[kind(s)].append(s)
     out = {}
     for name, group in sorted(groups.items()):
-        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        seconds = seconds_of(group)
         out[name] = {
             "steps": len(group),
             "time_share": seconds / total if total else 0.0,
@@ -96,7 +101,7 @@ def decode_only(steps: Iterable[dict[str, Any]]) -> dict[int, dict[str, tuple[in
     """Steps that decode only, by batch size: per mode (count, median forward ms)."""
     groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in steps:
-        if s["tokens"] == s["scheduled"] == s["rows"] and not s["drafting"]:
+        if kind(s) == "decode":
             groups[s["scheduled"]][s["mode"]].append(1e3 * s["forward"])
     return {
         size: {m: (len(v), statistics.median(v)) for m, v in sorted(modes.items())}
@@ -116,12 +121,10 @@ def runs(steps: Sequence[dict[str, Any]], gap: float = 3.0) -> list[dict[str, An
             groups.append([s])
     out = []
     for group in groups:
-        seconds = sum(s["forward"] + s["draft"] + s["overhead"] for s in group)
+        seconds = seconds_of(group)
         size = Counter(s["scheduled"] for s in group).most_common(1)[0][0]
         decode = [
-            1e3 * s["forward"]
-            for s in group
-            if s["tokens"] == s["rows"] == s["scheduled"] == size and not s["drafting"]
+            1e3 * s["forward"] for s in group if kind(s) == "decode" and s["scheduled"] == size
         ]
         out.append(
             {

@@ -69,7 +69,8 @@ class AcceptanceTracker:
     as its verifies come in: its width counts every trial the request has had, not the decayed
     sums alpha is read from (those hold about ten verifies' worth whatever the request's age, so
     a width read from them stopped narrowing at about 0.14 and kept a draft model whose drafts
-    were kept about 58% of the time judged at 0.72, past its break-even, for whole answers). A lookup's estimate also learns while its request is paused (shadow
+    were kept about 58% of the time judged at 0.72, past its break-even, for whole answers).
+    A lookup's estimate also learns while its request is paused (shadow
     drafts, engine/speculation/stats.py), so the policy judges it by `alpha`.
 
     The fixed prior plus that bound tries every new request (0.6 with two pseudo-trials reads
@@ -139,15 +140,13 @@ class AcceptanceTracker:
         kept = (1.0 - share) * self.prior_weight
         return pooled * accepted / trials + kept * fixed, pooled + kept
 
-    def _estimate(self, request_id: str, method: str) -> tuple[float, float, float]:
-        """(alpha, its trials counting the prior's pseudo-trials, every trial the request has
-        had, undecayed, counting the prior's pseudo-trials)."""
+    def _estimate(self, request_id: str, method: str) -> tuple[float, float]:
+        """(alpha, every trial the request has had, undecayed, plus the prior's pseudo-trials)."""
         _, accepted, trials, verifies, seen = self._state.get(
             request_id, (method, 0.0, 0.0, 0, 0.0)
         )
         pseudo_accepted, pseudo_trials = self._prior(method, verifies)
-        trials += pseudo_trials
-        return (accepted + pseudo_accepted) / trials, trials, seen + pseudo_trials
+        return (accepted + pseudo_accepted) / (trials + pseudo_trials), seen + pseudo_trials
 
     def alpha(self, request_id: str, method: str) -> float:
         """The estimate for a request; its method's prior (or pool) when it has no history yet."""
@@ -156,7 +155,7 @@ class AcceptanceTracker:
     def upper_bound(self, request_id: str, method: str) -> float:
         """alpha plus `optimism` standard errors of it over every trial the request has had
         (undecayed) and the prior's: what the policy decides by (see the class docstring)."""
-        alpha, _, seen = self._estimate(request_id, method)
+        alpha, seen = self._estimate(request_id, method)
         error = math.sqrt(alpha * (1.0 - alpha) / seen)
         return min(1.0, alpha + self.optimism * error)
 

@@ -78,6 +78,7 @@ def test_decode_only_groups_steps_of_one_token_per_request_by_batch_size() -> No
             "scheduled": scheduled,
             "forward": forward,
             "drafting": drafting,
+            "draft_tokens": tokens - scheduled if drafting else 0,
         }
 
     steps = [
@@ -108,6 +109,7 @@ def test_runs_split_at_each_mode_switch_and_gap_and_read_the_commonest_batch() -
             "generated": generated,
             "scheduled": scheduled,
             "drafting": 0,
+            "draft_tokens": 0,
         }
 
     steps = [
