@@ -267,7 +267,10 @@ class LLMEngine:
             num_generated=self.metrics.num_generation_tokens - num_generated,
         )
         self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
-        self.step_trace.write(stats, len(schedule.scheduled))
+        costs = self.speculator.policy.costs
+        self.step_trace.write(
+            stats, len(schedule.scheduled), costs.last_predicted, costs.last_correction
+        )
         for request in finished:  # freed once the policy has seen their last step
             self.speculator.free(request)
         return [group.refresh() for group in touched]

@@ -3,7 +3,8 @@
 `SPECSERVE_STEP_TRACE=<path>` (read once, when the engine starts) appends one line per step to
 <path>: when it ended (`t`, monotonic seconds), the policy's mode, the target forward's query
 tokens, logits rows and attention reads, its seconds split as the policy sees them (forward and
-verify, proposing, the rest), the tokens the step added to outputs, how many requests it
+verify, proposing, the rest), the forward the step-time model predicted for it and the correction
+a step with drafts was priced with, the tokens the step added to outputs, how many requests it
 scheduled and decided for, how many drafted and how many draft tokens the verify accepted, the
 draft model's catch-up, and the count of each decision reason. The file is the operator's: the
 engine only appends, and a write that fails turns the trace off (logged once) rather than fail a
@@ -30,8 +31,16 @@ logger = logging.getLogger(__name__)
 ENV = "SPECSERVE_STEP_TRACE"
 
 
-def step_record(stats: StepStats, num_scheduled: int, now: float) -> dict[str, object]:
-    """The trace's line for one step (its keys are bench/step_trace.py's)."""
+def step_record(
+    stats: StepStats,
+    num_scheduled: int,
+    now: float,
+    predicted: float = 0.0,
+    correction: float = 1.0,
+) -> dict[str, object]:
+    """The trace's line for one step (its keys are bench/step_trace.py's); `predicted`, the
+    step-time model's forward seconds for the step's shape before it learned from the step, and
+    `correction`, the factor a step with drafts was priced with (engine/speculation/costs.py)."""
     drafting = [d for d in stats.decisions if d.num_draft_tokens > 0]
     verified = [v for v in stats.verifies if not v.is_shadow and v.num_draft_tokens]
     timing = stats.draft_timing
@@ -42,6 +51,8 @@ def step_record(stats: StepStats, num_scheduled: int, now: float) -> dict[str, o
         "rows": stats.num_rows,
         "context": stats.context,
         "forward": round(stats.forward_seconds, 6),
+        "predicted": round(predicted, 6),
+        "correction": round(correction, 4),
         "draft": round(stats.draft_seconds, 6),
         "overhead": round(stats.overhead_seconds, 6),
         "generated": stats.num_generated,
@@ -74,11 +85,18 @@ class StepTrace:
     def is_on(self) -> bool:
         return self._file is not None
 
-    def write(self, stats: StepStats, num_scheduled: int) -> None:
+    def write(
+        self,
+        stats: StepStats,
+        num_scheduled: int,
+        predicted: float = 0.0,
+        correction: float = 1.0,
+    ) -> None:
         if self._file is None:
             return
         try:
-            line = json.dumps(step_record(stats, num_scheduled, time.monotonic()))
+            record = step_record(stats, num_scheduled, time.monotonic(), predicted, correction)
+            line = json.dumps(record)
             self._file.write(line + "\n")
         except (OSError, ValueError) as e:  # a full disk, a closed file: stop tracing
             logger.warning("step trace off: %s", e)

@@ -504,6 +504,33 @@ def test_speculating_steps_that_cost_more_than_predicted_are_priced_by_that_erro
     assert sum(d.num_draft_tokens for d in policy.decide(candidates, step)) == 4
 
 
+def test_the_correction_is_never_a_discount() -> None:
+    """Plain steps slowed by the host (1.1x their prediction) beside verify steps as predicted
+    give a quotient of about 0.91. Taken as a discount it would buy drafts on a compute-bound
+    batch, where each draft row costs a full token's share of the step and a draft accepted 90%
+    of the time earns less than it costs (the step trace showed exactly that: drafting wherever
+    the quotient dipped below 1); the correction stays 1 and the batch decodes."""
+    policy = SpeculationPolicy("auto", 7, FlatThenLinear())
+    policy.tracker = FixedAlphas()  # type: ignore[assignment]
+    batch = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64), 64) for i in range(16)]
+    policy.tracker.alphas.update({r.request_id: 0.9 for r in batch})
+    candidates = [Candidate(r, 7, "ngram") for r in batch]
+    step = StepShape(2 * KNEE, 2 * KNEE, 0, 256, 2 * KNEE)  # past the knee: compute-bound
+    slowed = StepStats((), (), 2 * KNEE, 2 * KNEE, 0, 2.2, 0.0, 0.0)  # predicted 2.0
+    verify = StepStats(
+        (), (VerifyResult("r0", "ngram", 1, 1),), 2 * KNEE + 1, 2 * KNEE + 1, 0, 2.125, 0.0, 0.0
+    )  # as predicted
+    for _ in range(40):
+        policy.observe(slowed)
+        policy.observe(verify)
+    quotient = policy.costs._error[True] / policy.costs._error[False]
+    assert quotient == pytest.approx(1.0 / 1.1, rel=0.03)
+    assert policy.costs.correction == 1.0
+    decisions = policy.decide(candidates, step)
+    assert [d.num_draft_tokens for d in decisions] == [0] * 16
+    assert {d.reason for d in decisions} == {"compute_bound"}
+
+
 def test_the_correction_compares_decode_shaped_steps_only() -> None:
     """Plain steps that carry a prompt chunk and run twice their prediction must not turn the
     correction into a discount: it compares verify steps (1.2x their prediction) with the
