@@ -10,7 +10,9 @@ the same step shape in each mode, so a difference there is the mode's cost outsi
 Last, the runs of one mode in turn (a sliced bench's slices: consecutive steps of one mode,
 a gap of over --gap seconds also ending one): each run's tokens/s beside the median forward of its
 decode-only steps at the run's commonest batch size. A slice slow at the same step shape as its
-neighbours was slowed by the host, not by its mode.
+neighbours was slowed by the host, not by its mode. Where the trace records the step-time model's
+prediction: per mode and kind of step, forward over predicted; and auto's steps by the drafting
+correction they were priced with, with the share that drafted.
 
     python bench/step_trace.py /tmp/steps.jsonl [--since SECONDS] [--until SECONDS] [--gap 3] [--json OUT]
 """
@@ -109,6 +111,30 @@ def decode_only(steps: Iterable[dict[str, Any]]) -> dict[int, dict[str, tuple[in
     }
 
 
+def pricing(steps: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """How the policy priced the steps (traces that record `predicted`): per mode and kind of
+    step, the median of forward over predicted forward; and per correction a step was priced
+    with (to 0.05), its steps and the share of them that drafted: the policy drafts where the
+    correction is low, so a share that follows it says the correction, not the model, decides."""
+    ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    corrections: dict[float, list[int]] = defaultdict(lambda: [0, 0])
+    for s in steps:
+        if s.get("predicted", 0.0) <= 0.0:
+            continue
+        ratios[s["mode"]][kind(s)].append(s["forward"] / s["predicted"])
+        if s["mode"] == "auto" and s["decided"]:
+            counts = corrections[round(20 * s["correction"]) / 20]
+            counts[0] += 1
+            counts[1] += bool(s["drafting"])
+    return {
+        "forward_over_predicted": {
+            mode: {k: (len(v), statistics.median(v)) for k, v in sorted(per_kind.items())}
+            for mode, per_kind in sorted(ratios.items())
+        },
+        "drafting_by_correction": {c: tuple(n) for c, n in sorted(corrections.items())},
+    }
+
+
 def runs(steps: Sequence[dict[str, Any]], gap: float = 3.0) -> list[dict[str, Any]]:
     """Consecutive steps of one mode (a gap of over `gap` seconds also ends a run): each run's
     start (seconds into the trace), mode, steps, tokens/s over its step seconds, mean scheduled
@@ -178,6 +204,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     for size, per_mode in sizes.items():
         cells = ", ".join(f"{m} {ms:.1f} ({n})" for m, (n, ms) in per_mode.items())
         print(f"  {size:3d}: {cells}")
+    priced = pricing(steps)
+    if priced["forward_over_predicted"]:
+        print("\nforward over the step-time model's prediction (median), by kind of step:")
+        for mode, per_kind in priced["forward_over_predicted"].items():
+            cells = ", ".join(f"{k} {r:.3f} ({n})" for k, (n, r) in per_kind.items())
+            print(f"  {mode}: {cells}")
+        print("auto's steps by the correction they were priced with: steps, share drafting:")
+        for c, (n, drafted) in priced["drafting_by_correction"].items():
+            print(f"  {c:.2f}: {n}, {drafted / n:.2f}")
     turns = [r for r in runs(steps, args.gap) if r["steps"] >= args.min_steps]
     print("\nruns of one mode: start s, mode, steps, tokens/s, batch, decode-only forward ms:")
     for r in turns:
@@ -188,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"modes": modes, "decode_only": sizes, "runs": turns}, f, indent=1)
+            summary = {"modes": modes, "decode_only": sizes, "pricing": priced, "runs": turns}
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -171,3 +171,36 @@ def test_kinds_split_a_modes_time_into_decode_drafting_and_prompt_steps() -> Non
     assert split["prompt"]["time_share"] == pytest.approx(0.7)
     assert split["drafting"]["tokens_per_s"] == pytest.approx(30.0)
     assert split["prompt"]["tokens_per_s"] == pytest.approx(8 / 0.7)
+
+
+def test_pricing_reads_forward_over_predicted_and_drafting_by_correction() -> None:
+    def step(mode, forward, predicted, correction, drafting, decided=1):
+        return {
+            "mode": mode,
+            "tokens": 4 + drafting,
+            "scheduled": 4,
+            "drafting": drafting,
+            "draft_tokens": drafting,
+            "forward": forward,
+            "predicted": predicted,
+            "correction": correction,
+            "decided": decided,
+        }
+
+    steps = [
+        step("off", 0.2, 0.1, 1.0, 0),
+        step("auto", 0.1, 0.1, 1.01, 0),
+        step("auto", 0.5, 0.25, 1.02, 1),
+        step("auto", 0.2, 0.2, 1.14, 0),
+        step("auto", 0.2, 0.2, 1.14, 0, decided=0),  # decided nothing: not counted by correction
+        {**step("auto", 0.2, 0.0, 1.0, 0), "predicted": 0.0},  # no prediction: skipped
+    ]
+    priced = step_trace.pricing(steps)
+    assert priced["forward_over_predicted"] == {
+        "auto": {"decode": (3, 1.0), "drafting": (1, 2.0)},
+        "off": {"decode": (1, 2.0)},
+    }
+    assert priced["drafting_by_correction"] == {1.0: (2, 1), 1.15: (1, 0)}
+    # A trace from before the field existed has nothing to price.
+    old = [{k: v for k, v in s.items() if k != "predicted"} for s in steps]
+    assert step_trace.pricing(old) == {"forward_over_predicted": {}, "drafting_by_correction": {}}
