@@ -266,11 +266,13 @@ class LLMEngine:
             mode=mode,
             num_generated=self.metrics.num_generation_tokens - num_generated,
         )
+        if self.step_trace.is_on:  # with what the policy priced the step, before it learns
+            policy = self.speculator.policy
+            predicted = policy.step_model.predict(stats.num_tokens, stats.context, stats.num_rows)
+            self.step_trace.write(
+                stats, len(schedule.scheduled), predicted, policy.costs.correction
+            )
         self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
-        costs = self.speculator.policy.costs
-        self.step_trace.write(
-            stats, len(schedule.scheduled), costs.last_predicted, costs.last_correction
-        )
         for request in finished:  # freed once the policy has seen their last step
             self.speculator.free(request)
         return [group.refresh() for group in touched]

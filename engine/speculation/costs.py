@@ -86,10 +86,6 @@ class DraftCosts:
         self._overhead = {True: 0.0, False: 0.0}  # seconds outside forward and drafting
         self._error = {True: 1.0, False: 1.0}  # realised over predicted seconds
         self._model_seconds = 0.0  # the draft model's predicted seconds in the step decided
-        # For the step trace: the last step's forward as the model predicted it before learning
-        # from it, and the correction its decision was priced with.
-        self.last_predicted = 0.0
-        self.last_correction = 1.0
 
     @property
     def overhead(self) -> float:
@@ -181,7 +177,6 @@ class DraftCosts:
     def observe(self, stats: StepStats, step_model: StepTimePredictor) -> None:
         has_drafts = stats.has_drafts
         predicted = step_model.predict(stats.num_tokens, stats.context, stats.num_rows)
-        self.last_predicted, self.last_correction = predicted, self.correction
         if stats.num_tokens and predicted > 0:
             realised = stats.forward_seconds
             if has_drafts:
