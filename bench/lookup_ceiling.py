@@ -14,7 +14,11 @@ every step where lookup finds a match, prefill left out. Two bounds beside the f
 `oracle`, each step drafting exactly the tokens the answer will accept, up to K (no draft that
 fails, which no policy can know), and the share of the answer's tokens that lookup could not have
 drafted at all (no earlier occurrence of the last n tokens: a drafter that costs nothing would
-still decode those one step each).
+still decode those one step each). And `policy`: the engine's own speculation policy in auto
+(engine/speculation/policy.py: its acceptance estimates, shadow drafts and goodput allocation)
+deciding each step's draft length up to K, on a step-time model that holds the timed prices, so
+its steps are priced as the fixed k's are and nothing else differs: where the policy stands
+between the best fixed k and the oracle on this host's prices.
 
     python bench/lookup_ceiling.py [--config configs/default.yaml] [--workloads code_edit,code_gen]
         [--max-tokens 96] [--requests 12] [--rounds 15] [--num-speculative-tokens K]
@@ -31,7 +35,7 @@ import logging
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +48,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from policy_offline import WORKLOADS  # noqa: E402
 from processes import cpu_isa, host  # noqa: E402
 
+from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.speculation.calibration import time_step  # noqa: E402
+from engine.speculation.goodput import StepShape  # noqa: E402
 from engine.speculation.ngram import NgramProposer  # noqa: E402
+from engine.speculation.policy import Candidate, SpeculationPolicy  # noqa: E402
+from engine.speculation.stats import Decision, StepStats, VerifyResult  # noqa: E402
+from engine.speculation.step_time import StepTimeModel  # noqa: E402
 
 logger = logging.getLogger("bench.lookup_ceiling")
 Price = Callable[[int, int], float]  # (tokens in the step, tokens already cached) -> seconds
@@ -53,10 +62,12 @@ Price = Callable[[int, int], float]  # (tokens in the step, tokens already cache
 
 @dataclass
 class _Replayed:
-    """What the proposer reads of a request: its id and its tokens so far."""
+    """What the proposer and the policy read of a request: its id, its tokens so far and its
+    sampling parameters (greedy, drafting allowed)."""
 
     request_id: str
     all_token_ids: list[int]
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
 
 
 @dataclass
@@ -93,10 +104,14 @@ def replay(
     k: int,
     price: Price,
     oracle: bool = False,
+    policy: SpeculationPolicy | None = None,
 ) -> Replay:
     """Replay (prompt, answer) pairs through a fresh proposer drafting up to k tokens a step; an
-    `oracle` keeps only the draft's prefix that matches, as if it had drafted exactly that. No
-    step drafts past the answer's last token."""
+    `oracle` keeps only the draft's prefix that matches, as if it had drafted exactly that; a
+    `policy` grants each step's draft length as the engine's does (`policy_decision`). No step
+    drafts past the answer's last token."""
+    if oracle and policy is not None:
+        raise ValueError("a replay follows the oracle or a policy, not both")
     proposer = proposer_factory()
     out = Replay()
     for n, (prompt, answer) in enumerate(answers):
@@ -109,6 +124,11 @@ def replay(
             room = len(answer) - done - 1
             (draft,) = proposer.propose([request], [min(k, room)])  # type: ignore[list-item]
             drafted = list(draft.token_ids) if draft is not None else []
+            decision = None
+            if policy is not None and drafted:
+                decision = policy_decision(policy, request, len(drafted))
+                is_first_right = drafted[0] == answer[done]
+                drafted = drafted[: decision.num_draft_tokens]
             accepted = 0
             while (
                 accepted < len(drafted)
@@ -124,14 +144,52 @@ def replay(
             out.drafted += len(drafted)
             out.accepted += accepted
             out.tokens += taken
-            out.seconds += price(1 + len(drafted), cached)
+            seconds = price(1 + len(drafted), cached)
+            out.seconds += seconds
+            if decision is not None:
+                assert policy is not None
+                policy.observe(replayed_step(decision, is_first_right, accepted, seconds))
             request.all_token_ids += answer[done : done + taken]
             done += taken
             # the plain price of the tokens taken past the first (one step each)
             for extra in range(1, taken):
                 out.plain_seconds += price(1, cached + extra)
         proposer.free(request)  # type: ignore[arg-type]
+        if policy is not None:
+            policy.forget(request.request_id)
     return out
+
+
+def policy_decision(policy: SpeculationPolicy, request: _Replayed, num_offered: int) -> Decision:
+    """The policy's decision for one step of one request whose lookup offers num_offered tokens:
+    a one-sequence decode step, the draft's length its room and the step's budget."""
+    candidate = Candidate(request, num_offered, "ngram")  # type: ignore[arg-type]
+    (decision,) = policy.decide([candidate], StepShape(1, 1, 0, num_offered, 1))
+    return decision
+
+
+def replayed_step(
+    decision: Decision, is_first_right: bool, num_accepted: int, seconds: float
+) -> StepStats:
+    """What the engine feeds the policy after the step: the decision, the verify of its drafts
+    (for a draft withheld, a shadow: whether its first token is the one the step emits) and the
+    forward's seconds, nothing for drafting or overhead (the replay prices neither)."""
+    k = decision.num_draft_tokens
+    if k:
+        verify = VerifyResult(decision.request_id, decision.source, k, num_accepted)
+    else:
+        verify = VerifyResult(
+            decision.request_id, decision.source, 1, int(is_first_right), is_shadow=True
+        )
+    return StepStats((decision,), (verify,), 1 + k, 1 + k, 0, seconds, 0.0, 0.0)
+
+
+def timed_policy(measured: dict[int, float], max_k: int) -> SpeculationPolicy:
+    """The engine's policy in auto on a step-time model that holds the timed step prices (one
+    grid point per step size, learning nothing more), so it decides on what the replay charges."""
+    sizes = sorted(measured)
+    model = StepTimeModel(sizes, [measured[n] for n in sizes], rate=0.0)
+    return SpeculationPolicy("auto", max_k, model)
 
 
 def lookup_unreachable(answers: Sequence[tuple[Sequence[int], Sequence[int]]], min_n: int) -> float:
@@ -222,19 +280,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         fixed = {k: replay(answers, factory, k, price) for k in range(1, max_k + 1)}
         best = max(fixed, key=lambda k: fixed[k].speedup)
         oracle = replay(answers, factory, max_k, price, oracle=True)
+        policy = replay(answers, factory, max_k, price, policy=timed_policy(measured, max_k))
         report["workloads"][workload] = {
             "requests": len(answers),
             "answer_tokens": sum(len(a) for _, a in answers),
             "fixed_k": {str(k): r.to_dict() for k, r in fixed.items()},
             "best_fixed_k": best,
             "oracle": oracle.to_dict(),
+            "policy": policy.to_dict(),
             "unreachable_share": lookup_unreachable(answers, lookup_min),
         }
         logger.info(
-            "%s: best fixed k %d: %.2fx; oracle %.2fx; %.0f%% of tokens beyond lookup",
+            "%s: best fixed k %d: %.2fx; the policy %.2fx; oracle %.2fx; %.0f%% of tokens beyond "
+            "lookup",
             workload,
             best,
             fixed[best].speedup,
+            policy.speedup,
             oracle.speedup,
             100 * report["workloads"][workload]["unreachable_share"],
         )
