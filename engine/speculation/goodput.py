@@ -99,6 +99,7 @@ def best_draft_lengths(
     shape: StepShape,
     model: StepTimePredictor,
     draft_cost: DraftCost = free_drafts,
+    forwards: dict[int, float] | None = None,
 ) -> list[int]:
     """k_i in 0..caps[i] with Σ k within the budget that maximise the step's goodput.
 
@@ -106,7 +107,8 @@ def best_draft_lengths(
     likeliest to be accepted (E(alpha, k+1) - E(alpha, k) = alpha^(k+1)); step time depends only on
     the total, so that is also the best goodput increment. The walk goes on past a token that
     lowers goodput (a concave curve can rise again) until no later prefix can win, and the best
-    prefix is kept."""
+    prefix is kept. `forwards`: the forward seconds of the shape's step with m drafts, by m, kept
+    across calls on one shape and model (the policy allocates once per draft-model depth)."""
     if len(alphas) != len(caps):
         raise ValueError("alphas and caps differ in length")
     heap = [
@@ -117,7 +119,7 @@ def best_draft_lengths(
     tail = sum(expected_tokens(alphas[i], caps[i]) - 1.0 for _, _, i in heap)
     tokens = float(len(alphas))
     best, best_len, picks = -math.inf, 0, list[int]()
-    seconds_at = _pricer(shape, model, draft_cost)
+    seconds_at = _pricer(shape, model, draft_cost, forwards)
     while True:
         seconds = seconds_at(len(picks))
         value = tokens / seconds if seconds > 0 else math.inf
@@ -139,11 +141,14 @@ def best_draft_lengths(
 
 
 def _pricer(
-    shape: StepShape, model: StepTimePredictor, draft_cost: DraftCost
+    shape: StepShape,
+    model: StepTimePredictor,
+    draft_cost: DraftCost,
+    forwards: dict[int, float] | None = None,
 ) -> Callable[[int], float]:
     """step_seconds(shape, model, draft_cost, m) as a function of m; for an AffineDraftCost
-    one prediction and two products, with no call through the cost (the allocator asks for
-    hundreds of m a step at a large batch)."""
+    one prediction (or, with `forwards`, a lookup of it) and two products, with no call through
+    the cost (the allocator asks for hundreds of m a step at a large batch)."""
     if not isinstance(draft_cost, AffineDraftCost):
         return lambda m: step_seconds(shape, model, draft_cost, m)
     predict, reads = model.predict, shape.reads_per_draft
@@ -153,9 +158,12 @@ def _pricer(
         1.0 + draft_cost.per_forward,
         draft_cost.without,
     )
+    known = {} if forwards is None else forwards
 
     def seconds(m: int) -> float:
-        forward = predict(tokens + m, context + round(m * reads), rows + m)
+        forward = known.get(m)
+        if forward is None:
+            forward = known[m] = predict(tokens + m, context + round(m * reads), rows + m)
         return forward * scale + with_drafts if m else forward + without
 
     return seconds

@@ -214,6 +214,7 @@ class SpeculationPolicy:
         self.costs.decided(model_seconds + fixed)
         final = []
         why: dict[tuple[float, int, bool], float] = {}  # requests alike share their margin
+        alone: list[float] = []  # t(1 + k) of one sequence alone, by k: every request's the same
         for i, limit in enumerate(reasons):
             if i in catch_up:
                 final.append("catch_up")
@@ -224,7 +225,7 @@ class SpeculationPolicy:
             elif sum(ks) >= shape.budget:
                 final.append("budget")
             else:
-                final.append(self._why_not(candidates[i], alphas[i], caps[i], shape, why))
+                final.append(self._why_not(candidates[i], alphas[i], caps[i], shape, why, alone))
         return ks, final, catch_up
 
     def _allocate(
@@ -241,6 +242,7 @@ class SpeculationPolicy:
         the model idle) is priced with model-drafted caps cut to D; lookup drafts cost only the
         overhead of speculating. `fixed`: seconds the step takes whatever is drafted."""
         deepest = max((cap for cap, m in zip(caps, uses_model, strict=True) if m), default=0)
+        forwards: dict[int, float] = {}  # the step's forward by its drafts, for every depth
 
         def allocation(depth: int) -> tuple[list[int], list[int], DraftCost, float]:
             depth_caps = [
@@ -248,7 +250,7 @@ class SpeculationPolicy:
             ]
             model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
             cost = _plus(self.costs.step_cost(model_seconds, shape, self._prices), fixed)
-            ks = best_draft_lengths(alphas, depth_caps, shape, self._prices, cost)
+            ks = best_draft_lengths(alphas, depth_caps, shape, self._prices, cost, forwards)
             # Valued with the catch-up of the requests that draft, not of every one that could.
             cost = _plus(
                 self.costs.step_cost(
@@ -324,6 +326,7 @@ class SpeculationPolicy:
         cap: int,
         shape: StepShape,
         memo: dict[tuple[float, int, bool], float] | None = None,
+        alone: list[float] | None = None,
     ) -> str:
         """A request left at 0 is compute_bound when drafting would pay for it alone, one
         decoding sequence as long as this step's, its draft model's catch-up charged as the
@@ -334,12 +337,13 @@ class SpeculationPolicy:
         Alone, k drafts pay when E(alpha, k) / (t(1 + k) + s(k) + catch_up) > 1 / t(1), i.e.
         when E(alpha, k) t(1) - t(1 + k) - s(k) > catch_up: the best such margin over k depends
         on the request's alpha and cap alone, so requests alike share it (`memo`, one decision's)
-        and each compares its own catch-up with it."""
+        and each compares its own catch-up with it; the forwards t(1 + k) are every request's
+        (`alone`, one decision's, filled as far as a cap needs)."""
         uses_model = candidate.source in MODEL_SOURCES
         key = (alpha, cap, uses_model)
         margin = memo.get(key) if memo is not None else None
         if margin is None:
-            margin = self._best_margin_alone(alpha, cap, uses_model, shape)
+            margin = self._best_margin_alone(alpha, cap, uses_model, shape, alone)
             if memo is not None:
                 memo[key] = margin
         catch_up = self.costs.catch_up_seconds(candidate, alpha, cap) if uses_model else 0.0
@@ -348,18 +352,27 @@ class SpeculationPolicy:
         return "catch_up_cost" if catch_up > 0.0 and margin > 0.0 else "low_acceptance"
 
     def _best_margin_alone(
-        self, alpha: float, cap: int, uses_model: bool, shape: StepShape
+        self,
+        alpha: float,
+        cap: int,
+        uses_model: bool,
+        shape: StepShape,
+        alone: list[float] | None = None,
     ) -> float:
         """max over k in 1..cap of E(alpha, k) t(1) - t(1 + k) - s(k), seconds (see _why_not);
-        -inf when cap is 0."""
-        length = round(shape.reads_per_draft)
-        alone = StepShape(1, 1, length, cap, 1, reads_per_draft=shape.reads_per_draft)
-        plain = forward_seconds(alone, self._prices, 0)
+        -inf when cap is 0. `alone`: t(1 + k) by k, extended here as far as cap."""
+        forwards = [] if alone is None else alone
+        if len(forwards) <= cap:
+            length = round(shape.reads_per_draft)
+            single = StepShape(1, 1, length, cap, 1, reads_per_draft=shape.reads_per_draft)
+            forwards.extend(
+                forward_seconds(single, self._prices, k) for k in range(len(forwards), cap + 1)
+            )
+        plain = forwards[0]
         best = -math.inf
         for k in range(1, cap + 1):
-            forward = forward_seconds(alone, self._prices, k)
             drafting = self.costs.alone(alpha, k, uses_model)
-            best = max(best, expected_tokens(alpha, k) * plain - forward - drafting)
+            best = max(best, expected_tokens(alpha, k) * plain - forwards[k] - drafting)
         return best
 
     # ---------------------------------------------------------------------------- learning

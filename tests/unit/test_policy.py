@@ -4,6 +4,7 @@ step-time model, and the acceptance estimate on seeded synthetic verifies."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -193,6 +194,35 @@ def test_allocation_walks_past_a_step_in_the_curve() -> None:
     ks, value = _allocate([0.95], [31], 1, Staircase())
     assert ks == [31]
     assert value == pytest.approx(expected_tokens(0.95, 31) / 1.15)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocations_on_one_shape_share_its_forwards(seed: int) -> None:
+    """The policy allocates once per draft-model depth on one step shape: with a shared
+    `forwards`, each draft count's forward is predicted once over all of them, and every
+    allocation is the one it makes on its own."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    alphas = [rng.uniform(0.05, 0.98) for _ in range(n)]
+    shape = StepShape(n, n, rng.randint(0, 5000), rng.choice([8, 64, 10**9]), n, 300.0)
+    calls: collections.Counter[tuple[int, int, int]] = collections.Counter()
+
+    class Counting(MeasuredCpu):
+        def predict(self, n: int, context: int = 0, rows: int = 1) -> float:
+            calls[(n, context, rows)] += 1
+            return super().predict(n, context, rows)
+
+    model, plain = Counting(), MeasuredCpu()
+    forwards: dict[int, float] = {}
+    for depth in range(6):
+        caps = [rng.randint(0, depth + 1) for _ in range(n)]
+        cost = AffineDraftCost(
+            rng.uniform(0.0, 0.2), 0.1, 0.0, lambda m: forward_seconds(shape, model, m)
+        )
+        shared = best_draft_lengths(alphas, caps, shape, model, cost, forwards)
+        assert shared == best_draft_lengths(alphas, caps, shape, plain, cost)
+    assert calls and max(calls.values()) == 1
+    assert sorted(forwards) == sorted(m for m in range(len(forwards)))
 
 
 @pytest.mark.parametrize("seed", range(40))
