@@ -24,6 +24,9 @@ from engine.request import Request
 from engine.speculation.proposer import Draft, LookupProposer
 
 NgramIndex = dict[tuple[int, ...], int]
+# Extensions shorter than this (a decode or verify step's tokens) are indexed one n-gram at a
+# time; longer ones (a prompt, a rebuild) through n shifted views zipped together.
+SHORT_EXTENSION = 16
 
 
 def index_ngrams(
@@ -34,10 +37,14 @@ def index_ngrams(
     first_end = max(first_end, n)
     if first_end > last_end:
         return
+    setdefault = index.setdefault
+    if last_end - first_end < SHORT_EXTENSION:  # a step's few tokens: no views to build
+        for end in range(first_end, last_end + 1):
+            setdefault(tuple(token_ids[end - n : end]), end)
+        return
     start = first_end - n
     # n shifted views zipped together yield every n-gram in one C-level pass (fast on rebuilds).
     columns = [token_ids[start + j : last_end - n + j + 1] for j in range(n)]
-    setdefault = index.setdefault
     for end, key in enumerate(zip(*columns, strict=True), start=first_end):
         setdefault(key, end)
 

@@ -9,7 +9,7 @@ import pytest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculation.config import SpeculativeConfig
-from engine.speculation.ngram import NgramProposer
+from engine.speculation.ngram import SHORT_EXTENSION, NgramProposer, index_ngrams
 from engine.speculation.prediction import PredictionProposer
 from engine.speculation.proposer import PROPOSERS, Draft, make_proposer
 
@@ -149,6 +149,25 @@ def test_ngram_incremental_equals_reference(seed: int) -> None:
         assert _propose_one(proposer, request, max_length) == expected
         num_checked += expected is not None
     assert num_checked > 20  # the tiny vocabulary makes most steps match
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_index_is_the_same_in_short_and_long_extensions(seed: int) -> None:
+    """A step's few tokens are indexed one n-gram at a time, a prompt through zipped views:
+    either way every n-gram maps to where its first copy ends."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(300)]
+    for n in (1, 2, 4):
+        expected: dict[tuple[int, ...], int] = {}
+        for end in range(n, len(tokens) + 1):
+            expected.setdefault(tuple(tokens[end - n : end]), end)
+        index: dict[tuple[int, ...], int] = {}
+        done = 0
+        while done < len(tokens):
+            step = rng.choice([1, 2, 5, SHORT_EXTENSION - 1, SHORT_EXTENSION, 40])
+            index_ngrams(index, tokens, n, done + 1, min(done + step, len(tokens)))
+            done = min(done + step, len(tokens))
+        assert index == expected
 
 
 def test_ngram_rebuilds_after_preemption_style_shortening() -> None:
