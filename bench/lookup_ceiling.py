@@ -49,10 +49,13 @@ from policy_offline import WORKLOADS  # noqa: E402
 from processes import cpu_isa, host  # noqa: E402
 
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledRequest  # noqa: E402
 from engine.speculation.calibration import time_step  # noqa: E402
 from engine.speculation.goodput import StepShape  # noqa: E402
 from engine.speculation.ngram import NgramProposer  # noqa: E402
 from engine.speculation.policy import Candidate, SpeculationPolicy  # noqa: E402
+from engine.speculation.proposer import Draft  # noqa: E402
+from engine.speculation.speculator import DraftOffer, shadow_result  # noqa: E402
 from engine.speculation.stats import Decision, StepStats, VerifyResult  # noqa: E402
 from engine.speculation.step_time import StepTimeModel  # noqa: E402
 
@@ -127,7 +130,6 @@ def replay(
             decision = None
             if policy is not None and drafted:
                 decision = policy_decision(policy, request, len(drafted))
-                is_first_right = drafted[0] == answer[done]
                 drafted = drafted[: decision.num_draft_tokens]
             accepted = 0
             while (
@@ -148,7 +150,9 @@ def replay(
             out.seconds += seconds
             if decision is not None:
                 assert policy is not None
-                policy.observe(replayed_step(decision, is_first_right, accepted, seconds))
+                assert draft is not None
+                step = replayed_step(request, decision, draft, answer[done], accepted, seconds)
+                policy.observe(step)
             request.all_token_ids += answer[done : done + taken]
             done += taken
             # the plain price of the tokens taken past the first (one step each)
@@ -169,18 +173,22 @@ def policy_decision(policy: SpeculationPolicy, request: _Replayed, num_offered: 
 
 
 def replayed_step(
-    decision: Decision, is_first_right: bool, num_accepted: int, seconds: float
+    request: _Replayed,
+    decision: Decision,
+    offered: Draft,
+    emitted: int,
+    num_accepted: int,
+    seconds: float,
 ) -> StepStats:
     """What the engine feeds the policy after the step: the decision, the verify of its drafts
-    (for a draft withheld, a shadow: whether its first token is the one the step emits) and the
+    (for a draft withheld, the engine's shadow of it against the token the step emits) and the
     forward's seconds, nothing for drafting or overhead (the replay prices neither)."""
     k = decision.num_draft_tokens
-    if k:
-        verify = VerifyResult(decision.request_id, decision.source, k, num_accepted)
-    else:
-        verify = VerifyResult(
-            decision.request_id, decision.source, 1, int(is_first_right), is_shadow=True
-        )
+    offer = DraftOffer(decision.source, len(offered.token_ids), draft=offered)
+    scheduled = ScheduledRequest(request, 1, k, offer)  # type: ignore[arg-type]
+    verify = shadow_result(scheduled, emitted) or VerifyResult(
+        decision.request_id, decision.source, k, num_accepted
+    )
     return StepStats((decision,), (verify,), 1 + k, 1 + k, 0, seconds, 0.0, 0.0)
 
 

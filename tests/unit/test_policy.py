@@ -222,7 +222,7 @@ def test_allocations_on_one_shape_share_its_forwards(seed: int) -> None:
         shared = best_draft_lengths(alphas, caps, shape, model, cost, forwards)
         assert shared == best_draft_lengths(alphas, caps, shape, plain, cost)
     assert calls and max(calls.values()) == 1
-    assert sorted(forwards) == sorted(m for m in range(len(forwards)))
+    assert sorted(forwards) == list(range(len(forwards)))
 
 
 @pytest.mark.parametrize("seed", range(40))
