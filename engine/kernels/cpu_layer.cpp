@@ -114,54 +114,102 @@ inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Keys scored per pass: 8 independent multiply-add chains hide their latency.
+// Keys per tile of the score pass: the group's query heads take each tile in turn while its key
+// rows are in cache.
 constexpr int64_t kKeyTile = 8;
 
-// scores[j] = q . k_j for the keys j in [j0, j0 + kKeyTile) below `visible` (q already scaled):
-// per key one 8-lane multiply-add chain over d in order, summed by sum4's tree, then the
-// columns past the last multiple of 8 in order. Keys past `visible` repeat the last one, and are
-// not stored: a key's score is the same wherever it falls in a tile.
-template <class T, class KeyRow>
-inline void score_tile(const float* q, int64_t D, int64_t j0, int64_t visible, KeyRow&& key_row,
-                       float* scores) {
-  const T* k[kKeyTile];
-  for (int64_t i = 0; i < kKeyTile; ++i) k[i] = key_row(std::min(j0 + i, visible - 1));
-  __m256 acc[kKeyTile];
-  for (int64_t i = 0; i < kKeyTile; ++i) acc[i] = _mm256_setzero_ps();
+// scores[h * visible + j] = q_h . k_j for NH query heads (q_h = q + h * D, already scaled) and
+// the NK keys j in [j0, j0 + NK) below `visible`: per head and key one 8-lane multiply-add chain
+// over d in order, summed by sum4's tree, then the columns past the last multiple of 8 in order.
+// Each key row loaded serves every head of the pass (NH x NK chains hide the multiply-adds'
+// latency), and the arithmetic of one (head, key) is the same whichever heads and keys share
+// its pass. Keys past `visible` repeat the last one, and are not stored.
+template <class T, int NH, int NK, class KeyRow>
+__attribute__((always_inline)) inline void score_tile(const float* q, int64_t D, int64_t j0,
+                                                      int64_t visible, KeyRow&& key_row,
+                                                      float* scores) {
+  static_assert(NK % 4 == 0, "keys are summed four at a time");
+  const T* k[NK];
+#pragma GCC unroll 8
+  for (int i = 0; i < NK; ++i) k[i] = key_row(std::min<int64_t>(j0 + i, visible - 1));
+  __m256 acc[NH * NK];  // flat, loops unrolled: kept in registers (see weigh_values)
+#pragma GCC unroll 16
+  for (int a = 0; a < NH * NK; ++a) acc[a] = _mm256_setzero_ps();
   const int64_t d8 = D - D % 8;
   for (int64_t d = 0; d < d8; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int64_t i = 0; i < kKeyTile; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(k[i] + d), acc[i]);
+    __m256 kv[NK];
+#pragma GCC unroll 8
+    for (int i = 0; i < NK; ++i) kv[i] = load8(k[i] + d);
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * D + d);
+#pragma GCC unroll 8
+      for (int i = 0; i < NK; ++i) acc[h * NK + i] = _mm256_fmadd_ps(qv, kv[i], acc[h * NK + i]);
+    }
   }
-  alignas(16) float sums[kKeyTile];
-  _mm_store_ps(sums, sum4(acc[0], acc[1], acc[2], acc[3]));
-  _mm_store_ps(sums + 4, sum4(acc[4], acc[5], acc[6], acc[7]));
-  for (int64_t i = 0; i < kKeyTile && j0 + i < visible; ++i) {
-    float s = sums[i];
-    for (int64_t d = d8; d < D; ++d) s += q[d] * static_cast<float>(k[i][d]);
-    scores[j0 + i] = s;
+  for (int h = 0; h < NH; ++h) {
+    alignas(16) float sums[NK];
+    for (int i = 0; i < NK; i += 4)
+      _mm_store_ps(sums + i, sum4(acc[h * NK + i], acc[h * NK + i + 1], acc[h * NK + i + 2],
+                                  acc[h * NK + i + 3]));
+    const float* qh = q + h * D;
+    for (int i = 0; i < NK && j0 + i < visible; ++i) {
+      float s = sums[i];
+      for (int64_t d = d8; d < D; ++d) s += qh[d] * static_cast<float>(k[i][d]);
+      scores[h * visible + j0 + i] = s;
+    }
   }
 }
 
-// o[d0, d0 + 8 NV) += sum_j p_j v_j[d0, d0 + 8 NV) over j in [j0, j1) in order, one multiply-add
-// per term, the sums held in registers (from zero where `first`): blocks of keys taken in turn
-// give the sums of one pass over them all, the same operations in the same order.
-template <int NV, class T, class ValueRow>
-inline void weigh_values(const float* p, int64_t j0, int64_t j1, int64_t d0, bool first,
-                         ValueRow&& value_row, float* o) {
-  __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d0 + 8 * i);
+// o_h[d0, d0 + 8 NV) += sum_j p_h[j] v_j[d0, d0 + 8 NV) over j in [j0, j1) in order for NH heads
+// (p_h = p + h * visible, o_h = o + h * D), one multiply-add per term, the sums held in registers
+// (from zero where `first`): each value row loaded serves every head of the pass, and blocks of
+// keys taken in turn give the sums of one pass over them all, the same operations in the same
+// order for any NH and NV.
+template <int NH, int NV, class T, class ValueRow>
+__attribute__((always_inline)) inline void weigh_values(const float* p, int64_t visible, int64_t D,
+                                                        int64_t j0, int64_t j1, int64_t d0,
+                                                        bool first, ValueRow&& value_row,
+                                                        float* o) {
+  // One flat array, its loops unrolled: GCC keeps it in registers (as a 2-D array it stored every
+  // sum back to the stack after each multiply-add).
+  __m256 acc[NH * NV];
+#pragma GCC unroll 16
+  for (int a = 0; a < NH * NV; ++a)
+    acc[a] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + (a / NV) * D + d0 + 8 * (a % NV));
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = value_row(j) + d0;
-    const __m256 pj = _mm256_broadcast_ss(p + j);
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), acc[i]);
+    __m256 vv[NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) vv[i] = load8(v + 8 * i);
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const __m256 pj = _mm256_broadcast_ss(p + h * visible + j);
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) acc[h * NV + i] = _mm256_fmadd_ps(pj, vv[i], acc[h * NV + i]);
+    }
   }
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+#pragma GCC unroll 16
+  for (int a = 0; a < NH * NV; ++a) _mm256_storeu_ps(o + (a / NV) * D + d0 + 8 * (a % NV), acc[a]);
 }
 
-// Keys per block of the value pass: a block's value rows (64 columns of them at a time) stay in
-// cache while every query head of the group weighs them.
+// Keys per block of the value pass: a block's value rows stay in cache while every query head of
+// the group weighs them.
 constexpr int64_t kValueBlock = 64;
+
+// f(std::integral_constant<int, n>()) for 1 <= n <= Max (heads per pass).
+template <int Max, class F>
+inline void with_heads(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_heads<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>());
+}
+
+// Query heads per score pass (3 heads x 4 keys: twelve chains, each key row loaded once for
+// three heads) and per value pass (6 heads x 16 columns: each value row loaded once for six).
+constexpr int kScoreHeads = 3;
+constexpr int kValueHeads = 6;
 
 // What one task keeps between the tokens it attends: per query head of a group its scaled query,
 // its scores (then weights), their total and its output sums, and each visible key's row offset.
@@ -192,9 +240,10 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   // division per key and read, as it was, cost more than the key's multiply-adds).
   std::vector<int64_t>& offsets = scratch.offsets;
   offsets.resize(visible);
-  for (int64_t j = 0; j < visible; ++j) {
-    const int64_t slot = static_cast<int64_t>(table[j / L.block_size]) * L.block_size + j % L.block_size;
-    offsets[j] = slot * kv_stride + g * D;
+  for (int64_t j0 = 0, b = 0; j0 < visible; j0 += L.block_size, ++b) {  // block by block
+    const int64_t first = static_cast<int64_t>(table[b]) * L.block_size * kv_stride + g * D;
+    const int64_t j1 = std::min(visible, j0 + L.block_size);
+    for (int64_t j = j0; j < j1; ++j) offsets[j] = first + (j - j0) * kv_stride;
   }
   const auto key_row = [&](int64_t j) { return k_cache + offsets[j]; };
   const auto value_row = [&](int64_t j) { return v_cache + offsets[j]; };
@@ -206,14 +255,37 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   const auto o_of = [&](int64_t h) { return scratch.o.data() + h * D; };
   for (int64_t h = 0; h < group; ++h)
     to_float(query + (t * L.num_heads + g * group + h) * D, q_of(h), D, scale);
-  for (int64_t j = 0; j < visible; j += kKeyTile)
-    for (int64_t h = 0; h < group; ++h) score_tile<T>(q_of(h), D, j, visible, key_row, scores_of(h));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < visible; j += kKeyTile) {
+    // The key rows two tiles on, toward L2 while this one is scored: at each layer a token's
+    // context comes from memory, its rows a slot apart (to L1, or a tile ahead, was slower).
+    for (int64_t i = j + 2 * kKeyTile; i < std::min(visible, j + 3 * kKeyTile); ++i)
+      for (int64_t line = 0; line < row_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(key_row(i)) + line, _MM_HINT_T1);
+    for (int64_t h = 0; h < group; h += kScoreHeads)
+      with_heads<kScoreHeads>(std::min<int64_t>(kScoreHeads, group - h), [&](auto nh) {
+        constexpr int NH = decltype(nh)::value;
+        if constexpr (NH == 1) {  // one head: eight keys keep eight chains in flight
+          score_tile<T, 1, 8>(q_of(h), D, j, visible, key_row, scores_of(h));
+        } else {
+          score_tile<T, NH, 4>(q_of(h), D, j, visible, key_row, scores_of(h));
+          score_tile<T, NH, 4>(q_of(h), D, j + 4, visible, key_row, scores_of(h));
+        }
+      });
+  }
   std::vector<float>& totals = scratch.totals;
   totals.resize(group);
   for (int64_t h = 0; h < group; ++h) {
     float* scores = scores_of(h);
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < visible; ++j) best = std::max(best, scores[j]);
+    // The largest score, eight lanes at a time (a maximum is the same in any order).
+    __m256 most8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t jm = 0;
+    for (; jm + 8 <= visible; jm += 8) most8 = _mm256_max_ps(most8, _mm256_loadu_ps(scores + jm));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, most8);
+    float best = lanes[0];
+    for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+    for (; jm < visible; ++jm) best = std::max(best, scores[jm]);
     const __m256 best8 = _mm256_set1_ps(best);
     __m256 total8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -232,13 +304,19 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
   const int64_t d_vec = D / 8 * 8;  // columns the 8-lane passes take; the rest one at a time
   for (int64_t j0 = 0; j0 < visible; j0 += kValueBlock) {
     const int64_t j1 = std::min(visible, j0 + kValueBlock);
-    int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64)
-      for (int64_t h = 0; h < group; ++h)
-        weigh_values<8, T>(scores_of(h), j0, j1, d0, j0 == 0, value_row, o_of(h));
-    for (int64_t h = 0; h < group; ++h)
-      with_vectors((D - d0) / 8, [&](auto nv) {
-        weigh_values<decltype(nv)::value, T>(scores_of(h), j0, j1, d0, j0 == 0, value_row, o_of(h));
+    for (int64_t h = 0; h < group; h += kValueHeads)
+      with_heads<kValueHeads>(std::min<int64_t>(kValueHeads, group - h), [&](auto nh) {
+        constexpr int NH = decltype(nh)::value;
+        // Columns per pass: eight multiply-add chains at least, the value row shared by NH heads.
+        constexpr int NV = NH == 1 ? 8 : NH == 2 ? 4 : 2;
+        int64_t d0 = 0;
+        for (; d0 + 8 * NV <= D; d0 += 8 * NV)
+          weigh_values<NH, NV, T>(scores_of(h), visible, D, j0, j1, d0, j0 == 0, value_row,
+                                  o_of(h));
+        with_vectors((D - d0) / 8, [&](auto nv) {
+          weigh_values<NH, decltype(nv)::value, T>(scores_of(h), visible, D, j0, j1, d0, j0 == 0,
+                                                   value_row, o_of(h));
+        });
       });
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -306,10 +384,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
     write_kv(reinterpret_cast<const T*>(k.data_ptr()), reinterpret_cast<const T*>(v.data_ptr()),
              slots.data_ptr<int64_t>(), L.num_tokens, L.num_kv_heads * L.head_dim,
              reinterpret_cast<T*>(k_cache.data_ptr()), reinterpret_cast<T*>(v_cache.data_ptr()));
+    // Tasks by KV head, then token: a thread's run of tokens of one request (a verify chunk, a
+    // prompt chunk) reads one head's keys and values, which then stay in its L2 from one token
+    // to the next, where alternating heads evicted them.
     at::parallel_for(0, L.num_tokens * L.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t i = begin; i < end; ++i)
-        attend<T>(L, qp, kc, vc, s, op, i / L.num_kv_heads, i % L.num_kv_heads, scratch);
+        attend<T>(L, qp, kc, vc, s, op, i % L.num_tokens, i / L.num_tokens, scratch);
     });
   };
   dispatch_float(q, "paged_attention", run);

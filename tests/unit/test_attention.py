@@ -96,6 +96,29 @@ def test_cpu_kernel_steps_match_dense(query_lens, context_lens, head_dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (4, 2), (8, 2), (7, 1), (16, 2)])
+@pytest.mark.parametrize("head_dim", [20, 40])  # 40: two 16-column value passes and one of 8
+def test_cpu_kernel_matches_dense_at_every_group_size(num_heads, num_kv_heads, head_dim):
+    """Query heads per KV head 1, 2, 4, 7 and 8 (the kernel scores up to 3 heads and weighs
+    values for up to 6 in one pass, so groups split into passes of several sizes): dense
+    causal attention to float32 summation order, on decode, verify and prompt-chunk rows."""
+    backend = get_attention_backend("cpu", torch.device("cpu"))
+    case = make_case(
+        [1, 5, 19],
+        [300, 40, 0],
+        16,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=num_heads,
+    )
+    meta = backend.build_metadata(case.layout, torch.device("cpu"))
+    scale = head_dim**-0.5
+    out = backend.forward(case.query, case.key, case.value, case.k_cache, case.v_cache, meta, scale)
+    torch.testing.assert_close(out, dense_reference(case, scale), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
 def test_cpu_backend_runs_prompt_chunks_by_the_kernel_too():
     """Every step is the kernel's, so a decode row is computed alike beside a prompt chunk
     (batch invariance: tests/unit/test_batch_invariance_kernels.py holds its bits)."""

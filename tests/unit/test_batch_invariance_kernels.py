@@ -93,24 +93,34 @@ def test_a_linear_rows_result_does_not_depend_on_the_other_rows(name):
     _check_linear(name)
 
 
-def _random_cache(num_blocks: int, block_size: int, dtype: torch.dtype, seed: int):
+def _random_cache(
+    num_blocks: int, block_size: int, dtype: torch.dtype, seed: int, kv_heads: int | None = None
+):
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, kv_heads or KV_HEADS, HEAD_DIM)
     return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
 
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 72, 4  # head_dim: 64 + 8, both of the kernel's passes
+# head_dim 72: whole passes of 16, 32 or 64 value columns and a last one of 8.
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 72, 4
 PROMPT_LEN = 70
 
 
 class _Request:
     """One request's query/K/V per position, and its blocks (scattered: every other block)."""
 
-    def __init__(self, seed: int, first_block: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        seed: int,
+        first_block: int,
+        dtype: torch.dtype,
+        heads: int = HEADS,
+        kv_heads: int = KV_HEADS,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.q = torch.randn(PROMPT_LEN, HEADS, HEAD_DIM, generator=gen).to(dtype)
-        self.k = torch.randn(PROMPT_LEN, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        self.v = torch.randn(PROMPT_LEN, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        self.q = torch.randn(PROMPT_LEN, heads, HEAD_DIM, generator=gen).to(dtype)
+        self.k = torch.randn(PROMPT_LEN, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        self.v = torch.randn(PROMPT_LEN, kv_heads, HEAD_DIM, generator=gen).to(dtype)
         num_blocks = -(-PROMPT_LEN // BLOCK)
         self.table = tuple(first_block + 2 * i for i in range(num_blocks))
 
@@ -158,22 +168,29 @@ def _chunked(index, req, sizes):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_attention_tokens_output_does_not_depend_on_the_step(dtype):
+# Query heads per KV head 3, then 1 (multi-head), 2, 4, 7 and 8: the kernel shares each key row
+# among up to 3 heads and each value row among up to 6, so each takes other passes.
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(HEADS, KV_HEADS), (2, 2), (4, 2), (8, 2), (7, 1), (16, 2)]
+)
+def test_an_attention_tokens_output_does_not_depend_on_the_step(dtype, heads, kv_heads):
     """A request's 70 tokens attended one at a time (decode steps) are the reference; the same
     tokens in one prompt chunk, in chunks of many sizes (past 16 queries too), in verify-sized
     chunks, and beside other requests' decode rows and prompt chunks in the same steps, give the
     same bits."""
     num_blocks = 90
-    a = _Request(0, 1, dtype)
-    b = _Request(1, 2, dtype)  # its blocks interleave with a's
-    c = _Request(2, 50, dtype)
-    one_by_one = _attend(
-        _chunked(0, a, [1] * PROMPT_LEN), _random_cache(num_blocks, BLOCK, dtype, 9), dtype
-    )
+    a = _Request(0, 1, dtype, heads, kv_heads)
+    b = _Request(1, 2, dtype, heads, kv_heads)  # its blocks interleave with a's
+    c = _Request(2, 50, dtype, heads, kv_heads)
+
+    def cache():
+        return _random_cache(num_blocks, BLOCK, dtype, 9, kv_heads)
+
+    one_by_one = _attend(_chunked(0, a, [1] * PROMPT_LEN), cache(), dtype)
     reference = torch.stack([one_by_one[0, p] for p in range(PROMPT_LEN)])
 
     def check(steps, what):
-        out = _attend(steps, _random_cache(num_blocks, BLOCK, dtype, 9), dtype)
+        out = _attend(steps, cache(), dtype)
         got = torch.stack([out[0, p] for p in range(PROMPT_LEN)])
         assert torch.equal(got, reference), what
 
