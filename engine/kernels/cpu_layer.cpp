@@ -257,11 +257,15 @@ void attend(const Layout& L, const T* query, const T* k_cache, const T* v_cache,
     to_float(query + (t * L.num_heads + g * group + h) * D, q_of(h), D, scale);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < visible; j += kKeyTile) {
-    // The key rows two tiles on, toward L2 while this one is scored: at each layer a token's
-    // context comes from memory, its rows a slot apart (to L1, or a tile ahead, was slower).
+    // The key and value rows two tiles on, toward L2 while this one is scored: at each layer a
+    // token's context comes from memory, a slot apart and a block wherever the pool had one,
+    // and the value pass, which reads a line of each row at a time, then finds them in L2 (to
+    // L1, or keys alone, was slower: bench/attention.py).
     for (int64_t i = j + 2 * kKeyTile; i < std::min(visible, j + 3 * kKeyTile); ++i)
-      for (int64_t line = 0; line < row_bytes; line += 64)
+      for (int64_t line = 0; line < row_bytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(key_row(i)) + line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(value_row(i)) + line, _MM_HINT_T1);
+      }
     for (int64_t h = 0; h < group; h += kScoreHeads)
       with_heads<kScoreHeads>(std::min<int64_t>(kScoreHeads, group - h), [&](auto nh) {
         constexpr int NH = decltype(nh)::value;
