@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from processes import commit_of, in_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 2, 128, 16, 28
@@ -90,28 +90,6 @@ def time_shapes(context: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def _child(root: Path, context: int, repeats: int) -> dict[str, float]:
-    """time_shapes in a subprocess whose `engine` package is `root`'s."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
-        "from attention import time_shapes;"
-        "print(json.dumps(time_shapes(int(sys.argv[3]), int(sys.argv[4]))))"
-    )
-    command = [sys.executable, "-c", code, str(root), str(Path(__file__).parent)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run(
-        [*command, str(context), str(repeats)], check=True, capture_output=True, text=True, env=env
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _commit(root: Path) -> str:
-    run = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return run.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=600, help="cached positions a request")
@@ -124,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
     for r in range(args.rounds):
         for name, root in roots.items():
-            rounds[name].append(_child(root, args.context, args.repeats))
+            rounds[name].append(
+                in_checkout(root, "attention", "time_shapes", args.context, args.repeats)
+            )
             print(f"round {r + 1} {name}: " + ", ".join(
                 f"{s}: {t * 1e6:.0f} us" for s, t in rounds[name][-1].items()), flush=True)  # fmt: skip
     shapes = [name for name, _, _ in SHAPES]
@@ -132,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.processor() or platform.machine(),
         "context": args.context,
         "rounds": args.rounds,
-        "commits": {name: _commit(root) for name, root in roots.items()},
+        "commits": {name: commit_of(root) for name, root in roots.items()},
         "median_us_per_layer": {
             name: {s: round(statistics.median(r[s] for r in runs) * 1e6, 1) for s in shapes}
             for name, runs in rounds.items()

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from processes import commit_of, in_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 500  # cached positions of each decoding sequence
@@ -84,26 +84,9 @@ def time_decisions(num_requests: int, steps: int, seed: int = 0) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _child(root: Path, sizes: list[int], steps: int) -> dict[str, float]:
-    """time_decisions in a subprocess whose `engine` package is `root`'s."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
-        "from policy_cost import time_decisions;"
-        "print(json.dumps({n: time_decisions(int(n), int(sys.argv[3])) for n in sys.argv[4:]}))"
-    )
-    command = [sys.executable, "-c", code, str(root), str(Path(__file__).parent), str(steps)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run(
-        [*command, *map(str, sizes)], check=True, capture_output=True, text=True, env=env
-    )
-    return {k: float(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-
-
-def _commit(root: Path) -> str:
-    run = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return run.stdout.strip() or "unknown"
+def time_sizes(sizes: list[int], steps: int) -> dict[str, float]:
+    """time_decisions at each batch size, by size."""
+    return {str(n): time_decisions(n, steps) for n in sizes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
     for r in range(args.rounds):
         for name, root in roots.items():
-            rounds[name].append(_child(root, sizes, args.steps))
+            rounds[name].append(in_checkout(root, "policy_cost", "time_sizes", sizes, args.steps))
             print(f"round {r + 1} {name}: " + ", ".join(
                 f"{n}: {s * 1e3:.2f} ms" for n, s in rounds[name][-1].items()), flush=True)  # fmt: skip
     result = {
         "host": platform.processor() or platform.machine(),
         "steps": args.steps,
         "rounds": args.rounds,
-        "commits": {name: _commit(root) for name, root in roots.items()},
+        "commits": {name: commit_of(root) for name, root in roots.items()},
         "median_ms": {
             name: {str(n): statistics.median(r[str(n)] for r in runs) * 1e3 for n in sizes}
             for name, runs in rounds.items()

@@ -1,11 +1,13 @@
 """Child processes for the scripts that drive a real server (bench/policy.py,
 bench/reliability.py, deploy/grafana/render_dashboard.py): a free port, a process stopped on the
-way out, a wait until it answers, and `specserve serve` on a config; and the host's CPU, which a
-result file names."""
+way out, a wait until it answers, and `specserve serve` on a config; a bench function run on
+another checkout's engine (bench/policy_cost.py, bench/attention.py: two versions side by side)
+and that checkout's commit; and the host's CPU, which a result file names."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import signal
@@ -22,6 +24,38 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+
+
+def in_checkout(root: Path, module: str, function: str, *args: Any) -> Any:
+    """`function(*args)` of the bench module `module` (JSON in, JSON out) in a subprocess whose
+    `engine` package is `root`'s: this checkout's bench code timing another checkout's engine."""
+    code = (
+        "import importlib, json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
+        "f = getattr(importlib.import_module(sys.argv[3]), sys.argv[4]);"
+        "print(json.dumps(f(*json.loads(sys.argv[5]))))"
+    )
+    command = [
+        sys.executable,
+        "-c",
+        code,
+        str(root),
+        str(BENCH),
+        module,
+        function,
+        json.dumps(args),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def commit_of(root: Path) -> str:
+    """The short commit a checkout is at ("unknown" outside git)."""
+    run = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return run.stdout.strip() or "unknown"
 
 
 def free_port() -> int:
