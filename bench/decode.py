@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 

@@ -45,7 +45,7 @@ from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.outputs import OutputAccumulator  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.drafters")
 WORKLOADS = {**policy_workload.WORKLOADS, "copy": policy_workload.copy_prompts}

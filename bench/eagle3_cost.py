@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
 from engine.models.bundled import resolve_model  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
 
 logger = logging.getLogger("bench.eagle3_cost")
 

@@ -15,7 +15,7 @@ every step where lookup finds a match, prefill left out. Two bounds beside the f
 fails, which no policy can know), and the share of the answer's tokens that lookup could not have
 drafted at all (no earlier occurrence of the last n tokens: a drafter that costs nothing would
 still decode those one step each). And `policy`: the engine's own speculation policy in auto
-(engine/speculation/policy.py: its acceptance estimates, shadow drafts and goodput allocation)
+(engine/policy/policy.py: its acceptance estimates, shadow drafts and goodput allocation)
 deciding each step's draft length up to K, on a step-time model that holds the timed prices, so
 its steps are priced as the fixed k's are and nothing else differs: where the policy stands
 between the best fixed k and the oracle on this host's prices.
@@ -48,16 +48,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from policy_offline import WORKLOADS  # noqa: E402
 from processes import cpu_isa, host  # noqa: E402
 
+from engine.core.drafts import Draft, DraftOffer  # noqa: E402
+from engine.core.schedule import Candidate, ScheduledRequest, StepShape  # noqa: E402
+from engine.core.stats import Decision, StepStats, VerifyResult  # noqa: E402
+from engine.drafters.ngram import NgramProposer  # noqa: E402
+from engine.drafters.speculator import shadow_result  # noqa: E402
+from engine.policy.calibration import time_step  # noqa: E402
+from engine.policy.policy import SpeculationPolicy  # noqa: E402
+from engine.policy.step_time import StepTimeModel  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledRequest  # noqa: E402
-from engine.speculation.calibration import time_step  # noqa: E402
-from engine.speculation.goodput import StepShape  # noqa: E402
-from engine.speculation.ngram import NgramProposer  # noqa: E402
-from engine.speculation.policy import Candidate, SpeculationPolicy  # noqa: E402
-from engine.speculation.proposer import Draft  # noqa: E402
-from engine.speculation.speculator import DraftOffer, shadow_result  # noqa: E402
-from engine.speculation.stats import Decision, StepStats, VerifyResult  # noqa: E402
-from engine.speculation.step_time import StepTimeModel  # noqa: E402
 
 logger = logging.getLogger("bench.lookup_ceiling")
 Price = Callable[[int, int], float]  # (tokens in the step, tokens already cached) -> seconds
@@ -243,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from engine import LLM, SamplingParams
-    from engine.tokenizer import apply_chat_template
+    from engine.text.tokenizer import apply_chat_template
 
     config = yaml.safe_load(Path(args.config).read_text())["engine"]
     engine_args = dict(config)

@@ -34,7 +34,7 @@ from policy_workload import code_edit_prompts, code_gen_prompts, open_chat_promp
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.outputs import OutputAccumulator  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.lossless")
 

@@ -49,7 +49,7 @@ SHIPPED_QUANT = {TARGET: "Q4_K_M", DRAFT: "Q5_0", "smollm2-135m-instruct": "Q4_1
 
 def default_peers_dir() -> Path:
     """peers/ in specserve's cache root ($SPECSERVE_CACHE, else ~/.cache/specserve)."""
-    from engine.models.bundled import cache_root
+    from engine.runtime.cache import cache_root
 
     return cache_root() / "peers"
 

@@ -35,11 +35,12 @@ MAX_DRAFTS = 5
 
 
 def _policy(num_requests: int, seed: int):
-    from engine.request import Request
+    from engine.core.chunks import attention_reads
+    from engine.core.request import Request
+    from engine.core.schedule import Candidate, StepShape
+    from engine.policy.policy import SpeculationPolicy
+    from engine.policy.step_time import StepTimeModel
     from engine.sampling_params import SamplingParams
-    from engine.speculation.goodput import StepShape
-    from engine.speculation.policy import Candidate, SpeculationPolicy
-    from engine.speculation.step_time import StepTimeModel, attention_reads
 
     grid = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     ms = [3.46, 3.47, 3.5, 3.9, 4.0, 4.3, 4.77, 6.0, 8.5, 13.0]

@@ -34,7 +34,7 @@ from policy_workload import code_edit_prompts, code_gen_prompts, open_chat_promp
 from processes import cpu_isa, host  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.policy_offline")
 WORKLOADS = {
@@ -83,7 +83,7 @@ def run(
     generated = engine.metrics.num_generation_tokens - generated_before
     decisions = decisions_since(engine, decisions_before)
     spec_stats = engine.spec_stats
-    costs = engine.speculator.policy.costs
+    costs = engine.policy.costs
     return {
         "mode": mode,
         "tokens_per_s": generated / seconds,

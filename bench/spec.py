@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.bundled import resolve_model  # noqa: E402
-from engine.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+from engine.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

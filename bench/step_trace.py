@@ -1,4 +1,4 @@
-"""Summarise a step trace (SPECSERVE_STEP_TRACE, engine/step_trace.py) per policy mode.
+"""Summarise a step trace (SPECSERVE_STEP_TRACE, engine/telemetry/step_trace.py) per policy mode.
 
 Per mode: steps, their seconds and the generation tokens they added (tokens/s as the policy
 bench's slices count it), the mean step split into forward, proposing and the rest, the mean

@@ -58,7 +58,7 @@ from structured_workload import CASES, Case  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.outputs import OutputAccumulator  # noqa: E402
 from engine.structured import StructuredOutput  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.structured")
 SMOKE = {"model": "smollm2-135m-instruct", "cases": 2, "max_tokens": 192, "rounds": 1}

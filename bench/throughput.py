@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 TOPICS = [
     "binary search",

@@ -7,45 +7,29 @@ prefix cache, its KV blocks); its `RequestOutput` gathers their completions.
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import draft_max_query_len
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kernels import cpu_kernels
-from engine.loading import load_draft_runner, maybe_load_tokenizer
-from engine.memory import log_memory, plan_for, release_freed_heap
-from engine.metrics import EngineMetrics
-from engine.models.bundled import resolve_model
-from engine.output_processor import RequestGroup, append_tokens, new_group
+from engine.build import build_engine
+from engine.config import EngineConfig
+from engine.core.chunks import SeqChunk, attention_reads
+from engine.core.counters import PolicyStats, SpecStats
+from engine.core.drafts import Draft
+from engine.core.request import Request, RequestStatus
+from engine.core.schedule import SchedulerOutput
+from engine.core.stats import StepStats, VerifyResult
+from engine.drafters.speculator import shadow_result
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.request_inputs import compile_grammar, encode_prompt, resolve_max_tokens
-from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import Sampler
+from engine.requests.admission import compile_grammar, encode_prompt, resolve_max_tokens
+from engine.requests.group import RequestGroup, append_tokens, new_group
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculation.config import SpeculativeConfig
-from engine.speculation.proposer import Draft
-from engine.speculation.speculator import (
-    DEFAULT_PREDICTION_TOKENS,
-    ProposerContext,
-    Speculator,
-    shadow_result,
-)
-from engine.speculation.stats import PolicyStats, SpecStats, StepStats, VerifyResult
-from engine.speculation.step_time import attention_reads
-from engine.startup import startup_phase
-from engine.step_trace import StepTrace
-from engine.structured.compiler import GrammarCompiler
 from engine.structured.state import GrammarState
-from engine.tokenizer import eos_token_ids
-from engine.verifier import StepTokens, Verifier
+from engine.telemetry.serving_metrics import EngineMetrics
+from engine.telemetry.step_trace import StepTrace
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.verification.verifier import StepTokens
 
 _SEED_MODULUS = 2**64
 
@@ -55,83 +39,21 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # Each phase logs its time (engine.startup): "startup: load weights <model> 12.3 s".
-        with startup_phase(f"model files {config.model}"):
-            model_path = resolve_model(config.model)
-        with startup_phase("config and tokenizer"):
-            self.model_config = ModelConfig.from_path(model_path)
-            self.tokenizer = maybe_load_tokenizer(config.tokenizer or model_path)
-        self.eos_token_ids = self.model_config.eos_token_ids
-        if self.tokenizer is not None:
-            self.eos_token_ids = tuple(
-                dict.fromkeys(self.eos_token_ids + eos_token_ids(self.tokenizer, model_path))
-            )
-            self.model_config = replace(self.model_config, eos_token_ids=self.eos_token_ids)
-        spec_config = config.speculative_config
-        assert spec_config is None or isinstance(spec_config, SpeculativeConfig)
-        if config.torch_device().type == "cpu":
-            cpu_kernels()  # now, if not yet: "load weights" then times the weights alone
-        # Every model's weights first, then one KV budget measured after them for the KV of all.
-        max_positions = config.max_model_len or self.model_config.max_position_embeddings
-        with startup_phase(f"load weights {model_path.name}"):
-            self.runner = ModelRunner(config, self.model_config, max_positions)
-        self.draft_runner = load_draft_runner(
-            config, spec_config, self.runner, max_positions, self.tokenizer
-        )
-        runners = [r for r in (self.runner, self.draft_runner) if r is not None]
-        num_drafts = (
-            spec_config.num_speculative_tokens if spec_config else DEFAULT_PREDICTION_TOKENS
-        )
-        plan = plan_for(config, runners, max_positions, num_drafts)
-        num_blocks = plan.num_blocks
-        max_len = max_positions
-        if config.max_model_len is None:
-            max_len = min(max_len, num_blocks * config.block_size)
-        elif max_len > num_blocks * config.block_size:
-            raise ValueError(
-                f"max_model_len {max_len} does not fit in the KV cache "
-                f"({num_blocks} blocks of {config.block_size} tokens; budget from {plan.source})."
-            )
-        self.max_model_len = max_len
-        with startup_phase("KV cache"):  # with the CUDA graphs' capture on a GPU
-            self.runner.allocate_kv_cache(num_blocks)
-            if self.draft_runner is not None:
-                # Its first forward of a step (1 + catch-up tokens per drafting request) replays
-                # a graph too, up to draft_max_query_len tokens each; longer catch-up is eager.
-                # An EAGLE-3 head's extend over decoding requests (1 + accepted tokens each)
-                # and its chained draft steps fit the same buckets.
-                self.draft_runner.allocate_kv_cache(
-                    num_blocks, max_query_len=draft_max_query_len(num_drafts)
-                )
-        log_memory(plan, runners, config.block_size)
-        release_freed_heap()  # what loading freed, out of the resident set
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.speculator = Speculator(spec_config, ProposerContext(self))
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            max_len,
-            policy=self.speculator.policy,
-        )
+        parts = build_engine(config)  # each phase logs its time (engine/runtime/startup.py)
+        self.model_config = parts.model_config
+        self.eos_token_ids = parts.model_config.eos_token_ids
+        self.tokenizer = parts.tokenizer
+        self.runner, self.draft_runner = parts.runner, parts.draft_runner
+        self.max_model_len = parts.max_model_len
+        self.block_manager = parts.block_manager
+        self.speculator, self.policy = parts.speculator, parts.policy
+        self.scheduler = parts.scheduler
+        self.grammars = parts.grammars
+        self.verifier = parts.verifier
         # Cumulative speculation counters and policy decisions, counted from each StepStats.
         # Every draft position from the start, so its series exist before the first acceptance.
         self.spec_stats = SpecStats(accepted_per_pos=[0] * self.speculator.num_tokens)
         self.policy_stats = PolicyStats()
-        # Structured outputs compile against the tokenizer (none without one); the server
-        # compiles off the engine thread through this same cache.
-        self.grammars = (
-            GrammarCompiler(
-                copy.deepcopy(self.tokenizer),  # its own: it runs on the server's threads
-                self.model_config.vocab_size,
-                self.eos_token_ids,
-            )
-            if self.tokenizer is not None
-            else None
-        )
-        self.verifier = Verifier(Sampler(self.model_config.vocab_size, self.eos_token_ids))
         self._groups: dict[str, RequestGroup] = {}
         # Seeds for requests that bring none: reproducible from the engine's own seed.
         self._seeds = random.Random(config.seed)
@@ -201,12 +123,17 @@ class LLMEngine:
         for request in group.requests:
             if not request.is_finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self.speculator.free(request)
+                self._free(request)
         return True
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.metrics.record_finished(request, status.value, time.monotonic())
         self.scheduler.finish(request, status)
+
+    def _free(self, request: Request) -> None:
+        """Forget a finished request's drafting state and acceptance estimates."""
+        self.speculator.free(request)
+        self.policy.forget(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -219,11 +146,11 @@ class LLMEngine:
 
     @property
     def speculation_mode(self) -> str:
-        return self.speculator.mode
+        return self.policy.mode
 
     def set_speculation_mode(self, mode: str) -> None:
         """off / always / auto from the next step on (ValueError: unknown, or auto uncalibrated)."""
-        self.speculator.set_mode(mode)
+        self.policy.set_mode(mode)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds; returns how many blocks were dropped."""
@@ -239,8 +166,8 @@ class LLMEngine:
         requests, and let everyone who learns or counts observe the step's StepStats. Returns the
         outputs that changed."""
         start = time.perf_counter()
-        mode, num_generated = self.speculator.mode, self.metrics.num_generation_tokens
-        schedule = self.scheduler.schedule(self.speculator.offer(self.scheduler.running))
+        mode, num_generated = self.policy.mode, self.metrics.num_generation_tokens
+        schedule = self.scheduler.schedule(self.speculator.offer(self.scheduler.running, mode))
         if schedule.is_empty:
             return []
         self._record_scheduled(schedule)
@@ -267,14 +194,14 @@ class LLMEngine:
             num_generated=self.metrics.num_generation_tokens - num_generated,
         )
         if self.step_trace.is_on:  # with what the policy priced the step, before it learns
-            policy = self.speculator.policy
-            predicted = policy.step_model.predict(stats.num_tokens, stats.context, stats.num_rows)
+            model = self.policy.step_model
+            predicted = model.predict(stats.num_tokens, stats.context, stats.num_rows)
             self.step_trace.write(
-                stats, len(schedule.scheduled), predicted, policy.costs.correction
+                stats, len(schedule.scheduled), predicted, self.policy.costs.correction
             )
         self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
         for request in finished:  # freed once the policy has seen their last step
-            self.speculator.free(request)
+            self._free(request)
         return [group.refresh() for group in touched]
 
     def _record_scheduled(self, schedule: SchedulerOutput) -> None:
@@ -384,7 +311,7 @@ class LLMEngine:
 
     def _observe(self, stats: StepStats, requests: dict[str, Request]) -> None:
         """Everyone who learns from or counts a step reads the same StepStats."""
-        self.speculator.observe(stats)
+        self.policy.observe(stats)
         self.spec_stats.observe(stats)
         self.policy_stats.observe(stats)
         self.metrics.observe_step(stats)

@@ -8,10 +8,10 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.generation_defaults import load_generation_defaults
+from engine.models.generation_defaults import load_generation_defaults
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
+from engine.text.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
 Message = Mapping[str, Any]

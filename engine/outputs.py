@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from engine.speculation.stats import SpecStats
+from engine.core.counters import SpecStats
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ error event and [DONE]: the CLI starts that drain when the signal arrives (`begi
 while uvicorn still waits for the responses (its own deadline is later, `SHUTDOWN_GRACE_S`), and
 the lifespan's end finishes it.
 Meanwhile a background task logs the engine's stats every `log_stats_interval` seconds.
-Start-up logs one line per phase with its time (engine.startup), the last "ready in X s", counted
+Start-up logs one line per phase with its time (engine.runtime.startup), the last "ready in X s", counted
 from `started` (the CLI's start).
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.engine import LLMEngine
-from engine.generation_defaults import GenerationDefaults, load_generation_defaults
-from engine.startup import log_ready, startup_phase
+from engine.models.generation_defaults import GenerationDefaults, load_generation_defaults
+from engine.runtime.startup import log_ready, startup_phase
 from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (

@@ -86,7 +86,7 @@ class ChatMessage(BaseModel):
         return content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as `engine.tokenizer.apply_chat_template` takes it: role, content (text
+        """The message as `engine.text.tokenizer.apply_chat_template` takes it: role, content (text
         or plain-dict parts; None for an assistant turn of calls only), and the tool fields."""
         content = self.content
         message: dict[str, Any] = {

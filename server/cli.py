@@ -54,7 +54,7 @@ def load_engine_settings(config_path: str | None, args: argparse.Namespace) -> d
 
 def _generate(args: argparse.Namespace, started: float) -> int:
     from engine import LLM, SamplingParams
-    from engine.startup import log_ready
+    from engine.runtime.startup import log_ready
 
     llm = LLM(**load_engine_settings(args.config, args))
     log_ready(started)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast, overload
 
-from engine.generation_defaults import GenerationDefaults
+from engine.models.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from server.protocol import (
     ChatCompletionRequest,
@@ -109,7 +109,7 @@ def prompt_of(req: CompletionRequest) -> list[str] | list[list[int]]: ...
 def prompt_of(
     req: ChatCompletionRequest | CompletionRequest,
 ) -> list[dict[str, Any]] | list[str] | list[list[int]]:
-    """Chat: the messages for `engine.tokenizer.apply_chat_template` (role, text content with
+    """Chat: the messages for `engine.text.tokenizer.apply_chat_template` (role, text content with
     parts as plain dicts, tool calls and tool_call_id). Completions: one entry per prompt, text
     or token ids (a flat id list is ONE prompt). The route submits each completions prompt as
     its own engine request."""
@@ -124,7 +124,7 @@ def prompt_of(
 
 
 def messages_of(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated messages as `engine.tokenizer.apply_chat_template` takes them: role, text
+    """Validated messages as `engine.text.tokenizer.apply_chat_template` takes them: role, text
     content (a string, or its parts as plain dicts), tool calls and tool_call_id."""
     return [m.for_template() for m in messages]
 

@@ -23,9 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.core.counters import Histogram
 from engine.engine import LLMEngine
-from engine.metrics import Histogram
-from engine.speculation.config import SPEC_MODES
+from engine.speculative_config import SPEC_MODES
 
 PREFIX = "specserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -37,7 +37,7 @@ POLICY_DECISIONS: tuple[tuple[str, str], ...] = (
     ("skip", "catch_up_cost"), ("skip", "mode_off"),
 )  # fmt: skip
 # (series name, EngineSnapshot attribute, help). Counter names leave out `_total`: the
-# exposition adds it. The units behind each number: engine.metrics.EngineMetrics.
+# exposition adds it. The units behind each number: engine.telemetry.serving_metrics.EngineMetrics.
 _GAUGES = (
     ("num_requests_running", "num_running", "Sequences in the running batch."),
     ("num_requests_waiting", "num_waiting", "Sequences waiting for admission."),

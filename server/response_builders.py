@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.core.counters import SpecStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.speculation.stats import SpecStats
 from server.responses import (
     SYSTEM_FINGERPRINT,
     ChatChoiceLogprobs,

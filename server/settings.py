@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 from pydantic.fields import FieldInfo
 
 from engine.config import EngineConfig
-from engine.speculation.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from server.request_limits import CONTEXTS_PER_REQUEST, DEFAULT_LIMITS, RequestLimits
 from server.tool_parsers import choices as tool_parser_choices
 from server.tool_parsers import names as tool_parser_names

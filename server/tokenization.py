@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from engine.tokenizer import apply_chat_template, encode_text
+from engine.text.tokenizer import apply_chat_template, encode_text
 
 
 def copies(tokenizer: Any, count: int) -> list[Any]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.counters import PolicyStats
+from engine.core.request import Request
+from engine.core.schedule import Candidate, StepShape
+from engine.core.stats import StepStats, VerifyResult
+from engine.policy.acceptance import DEFAULT_PRIORS
+from engine.policy.policy import SpeculationPolicy
 from engine.sampling_params import SamplingParams
-from engine.speculation.acceptance import DEFAULT_PRIORS
-from engine.speculation.goodput import StepShape
-from engine.speculation.policy import Candidate, SpeculationPolicy
-from engine.speculation.stats import PolicyStats, StepStats, VerifyResult
 
 KNEE = 8
 

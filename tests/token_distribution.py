@@ -6,7 +6,7 @@ grammar).
 
 The exact law of the first `depth` tokens is a tree: P(t_1) P(t_2 | t_1) ... Every node's
 distribution comes from transformers (the HF model run on prompt + prefix) processed by
-`engine.sampler_reference.process_reference` with the prefix as the row's output, so penalties
+`engine.sampling.reference.process_reference` with the prefix as the row's output, so penalties
 advance token by token exactly as the engine's contract says (and, under a grammar, with the
 tokens the grammar allows after the prefix as the row's mask).
 
@@ -34,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chi2
 
 from engine.outputs import OutputAccumulator
-from engine.sampler import SamplingRow
-from engine.sampler_reference import process_reference
+from engine.sampling.reference import process_reference
+from engine.sampling.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

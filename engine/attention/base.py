@@ -50,7 +50,7 @@ class FlatStep:
 
 
 def flatten_step(chunks: Sequence[Any], block_size: int) -> FlatStep:
-    """Flatten a step's chunks (engine.runner.SeqChunk: token_ids, start, block_table,
+    """Flatten a step's chunks (engine.execution.runner.SeqChunk: token_ids, start, block_table,
     num_logits) into token ids, positions, cache slots and the rows that need logits."""
     token_ids: list[int] = []
     positions: list[int] = []

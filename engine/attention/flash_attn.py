@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import BatchLayout, write_kv
-from engine.device import to_device
+from engine.runtime.device import to_device
 
 PAGE_SIZE_MULTIPLE = 256
 

@@ -9,7 +9,7 @@ The gathered K/V are the one cost here that grows with the batch's contexts, so 
 a group's padded length times its requests stays within the backend's `workspace_tokens`, unless
 a single request's context is longer, which is then gathered alone. So a layer never holds more
 than `max_gathered_tokens(longest context)` tokens of gathered K (and as many of V), whatever the
-batch: the workspace engine/memory.py reserves for this backend. Index tensors are built once per
+batch: the workspace engine/execution/kv_plan.py reserves for this backend. Index tensors are built once per
 step and reused by every layer.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import BatchLayout, write_kv
-from engine.device import to_device
+from engine.runtime.device import to_device
 
 # Context tokens one layer's gather may hold for a group of requests (of K; as many of V). 128 MiB
 # of K and V together for Llama-3.1-8B in bf16 (8 KV heads of 128): a decode batch of 64 requests

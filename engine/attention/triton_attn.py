@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.base import BatchLayout, write_kv
-from engine.device import to_device
+from engine.runtime.device import to_device
 
 # Key positions per tile. Fixed (see "Batch invariance" above): 64 keys x head_dim 128 of K and
 # of V in bf16 is 32 KiB per tile, comfortably in registers and shared memory at 4 warps.
@@ -81,7 +81,7 @@ def padded_block_table(layout: BatchLayout) -> torch.Tensor:
 
 class StaticTritonMetadata:
     """The kernel's metadata at fixed addresses, for steps padded to a captured token count
-    (engine.cuda_graphs). A graph captured for T tokens launches T x num_kv_heads programs; a
+    (engine.execution.cuda_graphs). A graph captured for T tokens launches T x num_kv_heads programs; a
     step of n <= T real tokens in r sequences is laid out as:
     - tokens 0 .. n-1: the real ones (their request's row of the block table, their position,
       their cache slot);
@@ -169,7 +169,7 @@ class TritonAttentionBackend:
     def allocate_static_metadata(
         self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device
     ) -> StaticTritonMetadata:
-        """Fixed metadata tensors for CUDA graphs (engine.cuda_graphs.GraphableBackend)."""
+        """Fixed metadata tensors for CUDA graphs (engine.execution.cuda_graphs.GraphableBackend)."""
         return StaticTritonMetadata(max_tokens, max_blocks_per_seq, block_size, device)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TritonAttentionMetadata:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.startup import startup_phase
+from engine.runtime.startup import startup_phase
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def build_directory(root: Path, source_dir: Path) -> Path:
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
-    from engine.models.bundled import cache_root
+    from engine.runtime.cache import cache_root
 
     key = build_key()
     build_dir = build_directory(cache_root(), _SOURCES[0].parent)

@@ -40,6 +40,7 @@ from typing import Any
 
 from engine.models.gguf import GGUF_FILE_NAME, gguf_file
 from engine.models.packages import BundledModel, PackagePart, assemble_gguf, locate_parts
+from engine.runtime.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,6 @@ BUNDLED_MODELS: Mapping[str, BundledModel] = MappingProxyType(
 def list_bundled_models() -> list[BundledModel]:
     """The bundled models, in registry order."""
     return list(BUNDLED_MODELS.values())
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache root: cache_dir, else $SPECSERVE_CACHE, else ~/.cache/specserve."""
-    root = cache_dir or os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
-    return Path(root).expanduser()
 
 
 def resolve_model(

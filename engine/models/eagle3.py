@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.llama import MLP, Attention, ForwardContext, Linear, RMSNorm
 
 HEAD_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -263,7 +263,7 @@ class Eagle3Head(nn.Module):
             num_aux * head.target_hidden_size, h, bias=False, device="meta", dtype=dtype
         )
         # What forward's `hidden` is per token (fc's output, or the head's own last output):
-        # CUDA graphs give it a fixed input tensor of this width (engine.cuda_graphs).
+        # CUDA graphs give it a fixed input tensor of this width (engine.execution.cuda_graphs).
         self.input_hidden_size = h
         self.midlayer = Eagle3Layer(cfg, head.norm_before_residual, dtype)
         self.norm = RMSNorm(h, head.rms_norm_eps, dtype)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, write_kv
-from engine.config import ModelConfig
 from engine.kernels import cpu_kernels, quant_linear
+from engine.models.config import ModelConfig
 from engine.models.gguf import QuantTensor
 
 

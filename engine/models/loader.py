@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.models.bundled import ensure_dense_checkpoint
+from engine.models.config import ModelConfig
 from engine.models.gguf import QuantTensor, gguf_file, int8_layout, read_dense
 from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 

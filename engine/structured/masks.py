@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device import to_device
+from engine.runtime.device import to_device
 
 _NEG_INF = float("-inf")
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
 from engine.llm import LLM
+from engine.models.config import ModelConfig
 from engine.models.eagle3 import REQUIRED_KEYS, Eagle3Config, head_config_dict, load_head
 from engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.training.eagle3_data import (

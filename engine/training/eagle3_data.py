@@ -37,13 +37,14 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.device import to_device
+from engine.core.chunks import SeqChunk
+from engine.execution.runner import ModelRunner
 from engine.llm import LLM
 from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
-from engine.runner import ModelRunner, SeqChunk
+from engine.runtime.device import to_device
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template, encode_text
+from engine.scheduling.block_manager import BlockManager
+from engine.text.tokenizer import apply_chat_template, encode_text
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.generation_defaults import GenerationDefaults
+from engine.models.generation_defaults import GenerationDefaults
 from server.app import create_app
 from tests.e2e.conftest import LiveServer, build_chat_model, live_server, tiny_settings
 from tests.e2e.server_helpers import HELLO

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.tokenizer import apply_chat_template
+from engine.text.tokenizer import apply_chat_template
 from tests.e2e.server_helpers import (
     HELLO,
     MODEL,

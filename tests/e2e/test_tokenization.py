@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import server.tokenization as tokenization
-from engine.tokenizer import apply_chat_template
+from engine.text.tokenizer import apply_chat_template
 from server.app import create_app
 from tests.e2e.conftest import IDLE, LiveServer, live_server, tiny_settings, wait_idle
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import server.tokenization as tokenization
-from engine.tokenizer import apply_chat_template, encode_text
+from engine.text.tokenizer import apply_chat_template, encode_text
 from server.app import create_app
 from tests.conftest import build_tiny_model
 from tests.e2e.conftest import IDLE, LiveServer, live_server, tiny_settings, wait_idle

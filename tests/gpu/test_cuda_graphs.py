@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import NOT_CAPTURED
-from engine.runner import SeqChunk
+from engine.core.chunks import SeqChunk
+from engine.execution.cuda_graphs import NOT_CAPTURED
 from tests.gpu.node import FLASH_BF16, TRITON_BF16, Setup, needs_device
 
 CUDA = torch.device("cuda")

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from engine.device_monitor import KneeMonitor, NvmlMonitor, make_monitor
+from engine.policy.device_monitor import KneeMonitor, NvmlMonitor, make_monitor
 
 
 class _Knee:

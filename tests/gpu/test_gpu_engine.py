@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.request import Request
 from engine.engine import LLMEngine
-from engine.request import Request
 from tests.gpu.node import (
     FLASH_BF16,
     MAX_TOKENS,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, kernels
-from engine.runner import SeqChunk
+from engine.core.chunks import SeqChunk
 from tests.conftest import TINY_VOCAB
 from tests.gguf_models import build_tiny_gguf_model
 

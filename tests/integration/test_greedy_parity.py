@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduling.scheduler import Scheduler
 from tests.conftest import TINY_VOCAB
 
 

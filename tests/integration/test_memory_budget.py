@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.device import Device
-from engine.memory import activation_bytes
+from engine.execution.kv_plan import activation_bytes
+from engine.runtime.device import Device
 from tests.conftest import build_tiny_model
 
 MiB = 2**20
@@ -108,11 +108,11 @@ def test_max_model_len_that_does_not_fit_the_shared_budget_raises(tiny_llama, dr
 
 
 def test_start_up_logs_weights_kv_and_budget(tiny_llama, draft, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.memory"):
+    with caplog.at_level(logging.INFO, logger="engine.execution.kv_plan"):
         llm = LLM(
             str(tiny_llama), dtype="float32", kv_cache_memory=MiB, speculative_config=_spec(draft)
         )
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.memory"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.execution.kv_plan"]
     assert len(lines) == 1
     num_blocks = llm.engine.block_manager.num_blocks
     assert f"{num_blocks} blocks of 16 tokens" in lines[0]
@@ -134,7 +134,7 @@ class _MeasuredDevice(Device):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr("engine.runner.Device", _MeasuredDevice)
+    monkeypatch.setattr("engine.execution.runner.Device", _MeasuredDevice)
     return _MeasuredDevice
 
 

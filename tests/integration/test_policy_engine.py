@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.chunks import attention_reads
+from engine.core.request import Request
+from engine.core.schedule import Candidate
 from engine.llm import LLM
-from engine.request import Request
+from engine.policy.calibration import is_plausible, measure
+from engine.policy.policy import SpeculationPolicy
 from engine.sampling_params import SamplingParams
-from engine.speculation.calibration import is_plausible, measure
-from engine.speculation.policy import Candidate, SpeculationPolicy
-from engine.speculation.step_time import attention_reads
 from tests.policy_fakes import KNEE, Driver, FixedMonitor, FlatThenLinear, requests, shape
 
 
@@ -146,7 +147,7 @@ def _engine_llm(target, method: str, draft=None, **spec) -> LLM:
 def test_engine_stops_speculating_under_load_and_resumes(target) -> None:
     llm = _engine_llm(target, "ngram")
     engine = llm.engine
-    engine.speculator.policy.step_model = FlatThenLinear()
+    engine.policy.step_model = FlatThenLinear()
     repetitive = [5, 6, 7, 8] * 6
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("long", repetitive, params)
@@ -170,8 +171,8 @@ def test_paused_draft_model_catches_up_exactly(target) -> None:
     llm = _engine_llm(target, "draft_model", draft=target, spec_disable_batch_size=2)
     engine = llm.engine
     # Against the fake step time (1 s), the self-draft's real forwards cost next to nothing.
-    engine.speculator.policy.step_model = FlatThenLinear()
-    engine.speculator.policy.costs.draft_forward_seconds = 0.0
+    engine.policy.step_model = FlatThenLinear()
+    engine.policy.costs.draft_forward_seconds = 0.0
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], params)
     engine.add_request("b", [2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=15))
@@ -248,7 +249,7 @@ def test_steps_and_shapes_count_the_attentions_kv_reads(target) -> None:
     llm = _engine_llm(target, "ngram", mode="always")
     engine = llm.engine
     stats_seen, shapes_checked = [], 0
-    observe, decide = engine.speculator.observe, engine.speculator.policy.decide
+    observe, decide = engine.policy.observe, engine.policy.decide
 
     def record_stats(stats):
         stats_seen.append(stats)
@@ -263,8 +264,8 @@ def test_steps_and_shapes_count_the_attentions_kv_reads(target) -> None:
         shapes_checked += 1
         return decide(candidates, shape)
 
-    engine.speculator.observe = record_stats
-    engine.speculator.policy.decide = check_shape
+    engine.policy.observe = record_stats
+    engine.policy.decide = check_shape
     prompt = [5, 6, 7, 8] * 6
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     (request,) = engine.scheduler.waiting
@@ -283,13 +284,13 @@ def test_steps_count_their_seconds_and_tokens_under_the_mode_they_ran_in(target)
     llm = _engine_llm(target, "ngram", mode="always")
     engine = llm.engine
     stats_seen = []
-    observe = engine.speculator.observe
+    observe = engine.policy.observe
 
     def record_stats(stats):
         stats_seen.append(stats)
         observe(stats)
 
-    engine.speculator.observe = record_stats
+    engine.policy.observe = record_stats
     prompt = [5, 6, 7, 8] * 6
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     engine.add_request("a", prompt, params)
@@ -320,12 +321,12 @@ def test_a_long_prompt_is_caught_up_in_chunks_and_drafts_exactly(target) -> None
     expected = plain.generate([prompt], params)[0].outputs[0].token_ids
     llm = _engine_llm(target, "draft_model", draft=target)
     engine = llm.engine
-    policy = engine.speculator.policy
+    policy = engine.policy
     policy.step_model = FlatThenLinear()
     policy.costs.draft_forward_seconds = 0.0
     policy.costs.catch_up_seconds_per_token = 1.0 / 32  # half a 1 s step: MIN_CATCH_UP_CHUNK
     timings, decisions = [], []
-    observe = engine.speculator.observe
+    observe = engine.policy.observe
 
     def record(stats) -> None:
         observe(stats)
@@ -336,7 +337,7 @@ def test_a_long_prompt_is_caught_up_in_chunks_and_drafts_exactly(target) -> None
         policy.costs.catch_up_seconds_per_token = 1.0 / 32
         policy.costs._error = {True: 1.0, False: 1.0}
 
-    engine.speculator.observe = record  # type: ignore[method-assign]
+    engine.policy.observe = record  # type: ignore[method-assign]
     output = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert output == expected
     catch_ups = [t.num_catch_up for t in timings if t is not None]

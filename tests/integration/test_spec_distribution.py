@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.verifier as verifier
+import engine.verification.verifier as verifier
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
-from engine.speculation import rejection
+from engine.verification import rejection
 from tests.conftest import build_tiny_model
 from tests.eagle3_heads import build_tiny_eagle3_head
 from tests.token_distribution import (

@@ -2,7 +2,7 @@
 
 The law of structured outputs: at every prefix, the target's processed distribution with the
 tokens the grammar forbids after that prefix masked out (the mask comes before penalties and
-truncation, `engine/sampler.py`), renormalised. The first 3 generated tokens of 16,000
+truncation, `engine/sampling/sampler.py`), renormalised. The first 3 generated tokens of 16,000
 continuations under a JSON schema follow it (chi-square p > 0.001, tested node by node along the
 prefix tree with the helpers of test_spec_distribution.py, tests/token_distribution.py), with
 every draft source a grammar request meets: the grammar's own forced text (one-hot drafts, first
@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-import engine.verifier as verifier
+import engine.verification.verifier as verifier
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.structured import StructuredOutput

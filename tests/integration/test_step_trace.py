@@ -35,7 +35,7 @@ def test_the_trace_has_a_line_per_step_that_adds_up_to_the_engines_counters(
 
     engine.step = counted
     # What the step-time model predicted for each step before it learned from it.
-    model = engine.speculator.policy.step_model
+    model = engine.policy.step_model
     predictions = []
     learn = model.observe
 
@@ -62,7 +62,7 @@ def test_the_trace_has_a_line_per_step_that_adds_up_to_the_engines_counters(
     for line in lines:
         assert line["tokens"] >= line["rows"] >= 0 and line["scheduled"] >= 1
         assert line["forward"] > 0 and line["overhead"] >= 0 and line["draft"] >= 0
-        assert line["correction"] >= 1.0  # never a discount (engine/speculation/costs.py)
+        assert line["correction"] >= 1.0  # never a discount (engine/policy/costs.py)
     assert [line["predicted"] for line in lines] == pytest.approx(predictions, abs=1e-6)
     assert len(predictions) == steps and all(p > 0 for p in predictions)
 

@@ -270,7 +270,7 @@ def test_offline_chat_renders_tools_like_the_server(chat_model) -> None:
     """`LLM.chat(..., tools=...)` puts the functions into the prompt through the model's template
     (here the tests' ChatML template with tools), the same ids the server's prompt tokenizer
     makes for them."""
-    from engine.tokenizer import apply_chat_template
+    from engine.text.tokenizer import apply_chat_template
 
     llm = _llm(chat_model, None)
     template = Path(__file__).resolve().parents[1] / "templates" / "chatml_tools.jinja"

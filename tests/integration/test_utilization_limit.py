@@ -10,7 +10,7 @@ from tests.conftest import ngram_llm
 
 
 def test_the_utilization_limit_without_calibration_is_not_applied(tiny_llama, caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.speculation.speculator"):
+    with caplog.at_level(logging.WARNING, logger="engine.policy.setup"):
         llm = ngram_llm(tiny_llama, mode="always", spec_disable_utilization=0.5)
     assert "spec_disable_utilization 0.50 is not applied" in caplog.text
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]  # repeats: n-gram lookup always finds a draft

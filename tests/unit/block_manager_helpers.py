@@ -3,7 +3,7 @@ manager's counts and tables, and a request run through lookup, allocation and re
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 
 BS = 4  # block size used by most tests
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-import engine.runner
+import engine.execution.runner
 from engine import LLM
 from engine.config import EngineConfig
+from engine.execution.runner import ModelRunner
 from engine.models.llama import MLP, Linear, RMSNorm, enable_batch_invariant
-from engine.runner import ModelRunner
 from tests.gguf_models import build_tiny_gguf_model
 from tests.unit.test_config import cpu_node, fake_cuda_node
 from tests.unit.test_triton_attn import needs_triton, run_interpreted
@@ -91,11 +91,11 @@ def test_gguf_blocks_are_refused(tmp_path):
 @pytest.mark.parametrize("cuda", [True, False])
 def test_the_runner_switches_a_cuda_model_only(tiny_llama, monkeypatch, cuda):
     # The runner is built on this CPU; only its device's answer to "is this CUDA?" is faked.
-    monkeypatch.setattr(engine.runner.Device, "is_cuda", property(lambda self: cuda))
+    monkeypatch.setattr(engine.execution.runner.Device, "is_cuda", property(lambda self: cuda))
     config = EngineConfig(
         model=str(tiny_llama), dtype="float32", quantization="none", batch_invariant=True
     )
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     runner = ModelRunner(config, ModelConfig.from_path(tiny_llama), 64, torch.float32)
     flags = {m.batch_invariant for m in runner.model.modules() if isinstance(m, (Linear, RMSNorm))}

@@ -5,7 +5,7 @@ every request's tokens, the decisions of every decoding step, drafts per source.
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from tests.conftest import build_tiny_model
 from tests.unit.bench_scripts import load_bench_script
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import lookup_ceiling as LC  # noqa: E402
 
-from engine.speculation.ngram import NgramProposer  # noqa: E402
+from engine.drafters.ngram import NgramProposer  # noqa: E402
 
 
 def _by_tokens(n: int, cached: int) -> float:

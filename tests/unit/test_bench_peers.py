@@ -341,7 +341,7 @@ def test_specserve_command_and_config(tmp_path):
         "prompt_lookup_max": 4,
         "mode": "always",
     }
-    from engine.speculation.config import SpeculativeConfig  # what the server builds accepts them
+    from engine.speculative_config import SpeculativeConfig  # what the server builds accepts them
 
     spec = SpeculativeConfig.from_dict(ngram)
     assert spec.num_speculative_tokens == 8 and spec.mode == "always"

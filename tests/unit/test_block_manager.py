@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from tests.unit.block_manager_helpers import BS, run_request, snapshot, token_range
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from tests.unit.block_manager_helpers import snapshot
 
 

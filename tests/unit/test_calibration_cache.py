@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.cuda_graphs import Bucket
-from engine.speculation import cached_fit, calibration
-from engine.speculation.config import SpeculativeConfig
-from engine.speculation.policy import SpeculationPolicy
-from engine.speculation.stats import StepStats
-from engine.speculation.step_time import StepTimeModel, attention_reads
+from engine.core.chunks import attention_reads
+from engine.core.stats import StepStats
+from engine.execution.cuda_graphs import Bucket
+from engine.policy import cached_fit, calibration
+from engine.policy.policy import SpeculationPolicy
+from engine.policy.step_time import StepTimeModel
+from engine.speculative_config import SpeculativeConfig
 
 
 def _runner(

@@ -5,7 +5,7 @@ chunk runs eagerly, launch-bound and several times slower at a few tokens. A cal
 timed n tokens as one prompt chunk fitted the eager path, and the verify batches it priced rows
 with (which do replay graphs) then came out cheaper than the one-row curve: the row cost clamped
 to 0. Here a fake runner decides each forward's path with the graphs' own bucket rule
-(engine.cuda_graphs.choose_bucket over the sizes make_cuda_graphs would capture for the config)
+(engine.execution.cuda_graphs.choose_bucket over the sizes make_cuda_graphs would capture for the config)
 and advances a scripted clock by that path's cost, so the tests see which path every timed step
 took and what the fit makes of it. No wall clock is read.
 """
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.cuda_graphs import choose_bucket, graph_sizes, verify_query_len
-from engine.runner import SeqChunk
-from engine.speculation import calibration
-from engine.speculation.calibration import calibration_grid, measure
-from engine.speculation.config import SpeculativeConfig
-from engine.speculation.step_time import StepTimeModel, attention_reads
+from engine.core.chunks import SeqChunk, attention_reads
+from engine.execution.cuda_graphs import choose_bucket, graph_sizes, verify_query_len
+from engine.policy import calibration
+from engine.policy.calibration import calibration_grid, measure
+from engine.policy.step_time import StepTimeModel
+from engine.scheduling.block_manager import BlockManager
+from engine.speculative_config import SpeculativeConfig
 
 MAX_NUM_SEQS = 8
 NUM_DRAFTS = 3  # verify chunks of 4 tokens

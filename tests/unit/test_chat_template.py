@@ -9,7 +9,7 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from engine.text.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from tests.tiny_tokenizers import CHATML_SPECIALS, SAMPLE_CORPUS, byte_level_bpe
 
 CORPUS = SAMPLE_CORPUS

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer import apply_chat_template
+from engine.text.tokenizer import apply_chat_template
 from tests.tiny_tokenizers import CHATML_SPECIALS, SAMPLE_CORPUS, byte_level_bpe
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "chatml_tools.jinja"
@@ -98,7 +98,7 @@ def test_only_assistant_turns_call(tools_tokenizer):
 
 def test_qwen25_template_renders_calls_as_objects():
     from engine.models.bundled import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     try:
         path = resolve_model("qwen2.5-coder-0.5b-instruct")

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from engine.config import EngineConfig
-from engine.speculation.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from server.cli import build_parser, load_engine_settings
 from server.settings import ENGINE_FIELDS, FIELDS, Settings, load_settings
 

@@ -17,7 +17,8 @@ import torch
 import engine.attention
 import engine.kernels
 from engine.attention import BACKENDS, check_attention_backend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
 from server.cli import build_parser, load_cli_settings
 from server.settings import ENGINE_FIELDS, Settings, load_settings
 

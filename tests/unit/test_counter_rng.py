@@ -1,4 +1,4 @@
-"""Counter-based randomness (`engine/counter_rng.py`): its values against their integer
+"""Counter-based randomness (`engine/sampling/counter_rng.py`): its values against their integer
 definition, their statistics, batch invariance, the samples drawn with them against the
 per-request torch generators they replace, the number of random-number calls of a step, and
 seeded reproducibility end to end."""
@@ -13,12 +13,13 @@ import torch._dynamo  # noqa: F401  (imported lazily under a dispatch mode: not 
 from scipy.stats import chi2_contingency, chisquare, kstest
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import LLM, SamplingParams, counter_rng
-from engine.counter_rng import exponentials, row_keys, uniforms
-from engine.request import Request, _mix
-from engine.sampler import Sampler, SamplingRow
-from engine.speculation.proposer import Draft
-from engine.verifier import Verifier
+from engine import LLM, SamplingParams
+from engine.core.drafts import Draft
+from engine.core.request import Request, _mix
+from engine.sampling import counter_rng
+from engine.sampling.counter_rng import exponentials, row_keys, uniforms
+from engine.sampling.sampler import Sampler, SamplingRow
+from engine.verification.verifier import Verifier
 from tests.conftest import ngram_llm
 
 MASK64 = (1 << 64) - 1

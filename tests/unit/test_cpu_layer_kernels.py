@@ -84,7 +84,7 @@ def test_layer_kernels_are_for_cpu_float32_and_bfloat16_only():
 def test_logits_are_float32_sums_not_rounded_to_the_model_dtype(tiny_llama, tiny_qwen2):
     """A bfloat16 model's logits for decode rows are the LM head's float32 sums as they are:
     rounded to bfloat16 (8 bits), two logits tie far more often, and ties decide greedy output."""
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
     from engine.models.loader import load_model
 
     for path in (tiny_llama, tiny_qwen2):  # an untied head, and a head tied to the embedding

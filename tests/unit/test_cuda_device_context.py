@@ -176,8 +176,8 @@ class FakeCuda:
 def test_marks_and_fences_run_on_the_engine_device_not_the_current_one(monkeypatch):
     import torch
 
-    from engine.cuda_graphs import CudaCaptureDevice
-    from engine.device import Device
+    from engine.execution.cuda_graphs import CudaCaptureDevice
+    from engine.runtime.device import Device
 
     fake = FakeCuda()
     fake.install(monkeypatch)

@@ -18,11 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import cuda_graphs
 from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import (
+from engine.config import EngineConfig
+from engine.core.chunks import SeqChunk
+from engine.execution import cuda_graphs
+from engine.execution.cuda_graphs import (
     MAX_CAPTURE_TOKENS,
     NOT_CAPTURED,
     Bucket,
@@ -30,10 +31,11 @@ from engine.cuda_graphs import (
     capture_sizes,
     make_cuda_graphs,
 )
-from engine.device import Device
+from engine.execution.runner import ModelRunner
+from engine.models.config import ModelConfig
 from engine.models.llama import RotaryEmbedding
 from engine.models.loader import load_model
-from engine.runner import ModelRunner, SeqChunk
+from engine.runtime.device import Device
 
 BLOCK_SIZE = 256  # flash-attn's page size
 NUM_BLOCKS = 6  # blocks requests own; the pad block is one more
@@ -343,21 +345,21 @@ def test_no_graphs_on_cpu_when_eager_or_with_the_torch_backend(model_parts, tiny
 
 def _engine_draft_max_query_len(num_speculative_tokens: int) -> int:
     """The max_query_len LLMEngine captures the draft runner's graphs with, read from its call
-    in engine/engine.py (building an engine captures no graph on a CPU)."""
-    source = Path(__file__).parents[2] / "engine" / "engine.py"
+    in engine/build.py (building an engine captures no graph on a CPU)."""
+    source = Path(__file__).parents[2] / "engine" / "build.py"
     for node in ast.walk(ast.parse(source.read_text())):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr == "allocate_kv_cache"
-            and ast.unparse(node.func.value) == "self.draft_runner"
+            and ast.unparse(node.func.value) == "draft_runner"
         ):
             (value,) = [k.value for k in node.keywords if k.arg == "max_query_len"]
             if isinstance(value, ast.Constant):
                 return int(value.value)
             assert ast.unparse(value) == "draft_max_query_len(num_drafts)"
             return cuda_graphs.draft_max_query_len(num_speculative_tokens)
-    raise AssertionError("engine.py allocates no draft KV cache")
+    raise AssertionError("build.py allocates no draft KV cache")
 
 
 def test_a_draft_first_forward_replays_a_captured_graph(pair, tiny_llama):
@@ -412,7 +414,7 @@ def test_a_draft_first_forward_replays_a_captured_graph(pair, tiny_llama):
 )
 def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num_drafts, budget):
     """The draft's graphs take longer queries than the target's, never more tokens than the
-    memory plan reserves a captured step's activations for (engine.memory.plan_for: at most
+    memory plan reserves a captured step's activations for (engine.execution.kv_plan.plan_for: at most
     max_num_seqs * (1 + K) tokens, the budget and MAX_CAPTURE_TOKENS), and they hold the common
     first forward of a full batch: 2 tokens for every sequence."""
     spec = {"method": "ngram", "num_speculative_tokens": num_drafts}

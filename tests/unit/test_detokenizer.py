@@ -14,8 +14,8 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.text.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from tests.tiny_tokenizers import (
     CHATML_SPECIALS,
     SAMPLE_CORPUS,

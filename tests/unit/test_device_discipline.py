@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.device import Device, to_device
-from engine.device_monitor import nvml_device
+from engine.policy.device_monitor import nvml_device
+from engine.runtime.device import Device, to_device
 from tests.conftest import build_tiny_model
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
@@ -133,7 +133,7 @@ def test_to_device_on_cpu_is_the_tensor_itself():
 def test_sampling_makes_no_generator(tiny_llama, monkeypatch):
     """Sampling, verifying and drafting make no torch generator at all (a bare torch.Generator()
     is a CPU generator, fatal next to CUDA logits; and one per row costs a launch per row):
-    every draw comes from counter keys (`engine/counter_rng.py`) on the logits' device."""
+    every draw comes from counter keys (`engine/sampling/counter_rng.py`) on the logits' device."""
     made: list[object] = []
     real = torch.Generator
 
@@ -202,7 +202,7 @@ def test_policy_learns_device_time_with_one_synchronisation_per_step(tiny_llama,
         if stats.draft_timing is not None:
             drafts.append(stats.draft_timing)
 
-    engine.speculator.policy.observe = observe
+    engine.policy.observe = observe
 
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 
-from engine.device_monitor import KneeMonitor, NvmlMonitor, make_monitor
-from engine.request import Request
+from engine.core.request import Request
+from engine.core.schedule import Candidate, StepShape
+from engine.policy.device_monitor import KneeMonitor, NvmlMonitor, make_monitor
+from engine.policy.policy import SpeculationPolicy
 from engine.sampling_params import SamplingParams
-from engine.speculation.goodput import StepShape
-from engine.speculation.policy import Candidate, SpeculationPolicy
 from tests.policy_fakes import FlatThenLinear
 
 CUDA = torch.device("cuda", 0)  # only named: nothing here touches a GPU
@@ -82,14 +82,14 @@ def test_full_kernel_time_does_not_turn_speculation_off(monkeypatch):
 def test_a_device_whose_query_raises_is_never_queried_in_a_step(monkeypatch, caplog):
     nvml = fake_pynvml(0, query_raises=True)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    with caplog.at_level(logging.INFO, logger="engine.device_monitor"):
+    with caplog.at_level(logging.INFO, logger="engine.policy.device_monitor"):
         monitor = make_monitor(CUDA, _Knee())
     assert isinstance(monitor, KneeMonitor)
     policy = _policy(monitor)
     for _ in range(5):
         assert _decide(policy, 2) == [(4, "fixed")] * 2  # no raise inside a step
     assert nvml.queries == 0
-    assert len([r for r in caplog.records if r.name == "engine.device_monitor"]) <= 1
+    assert len([r for r in caplog.records if r.name == "engine.policy.device_monitor"]) <= 1
 
 
 def test_the_nvml_reader_probes_once_at_start(monkeypatch, caplog):
@@ -107,7 +107,7 @@ def test_the_nvml_reader_never_raises_after_start(monkeypatch, caplog):
     assert nvml.queries == 1  # probed once
     assert reader.utilization(0) == pytest.approx(0.4)
     nvml.nvmlDeviceGetUtilizationRates = lambda handle: (_ for _ in ()).throw(NVMLError("lost"))
-    with caplog.at_level(logging.WARNING, logger="engine.device_monitor"):
+    with caplog.at_level(logging.WARNING, logger="engine.policy.device_monitor"):
         for _ in range(3):
             assert reader.utilization(0) == pytest.approx(0.4)  # the last reading, no raise
     assert len(caplog.records) == 1  # one line, then the reader stops asking

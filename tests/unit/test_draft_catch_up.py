@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request
+from engine.core.drafts import MAX_CATCH_UP_CHUNK
+from engine.core.request import Request
+from engine.core.schedule import Candidate, StepShape
+from engine.core.stats import StepStats, VerifyResult
+from engine.policy.costs import CATCH_UP_SHARE, MIN_CATCH_UP_CHUNK, DraftCosts
+from engine.policy.policy import SpeculationPolicy
 from engine.sampling_params import SamplingParams
-from engine.speculation.costs import (
-    CATCH_UP_SHARE,
-    MAX_CATCH_UP_CHUNK,
-    MIN_CATCH_UP_CHUNK,
-    DraftCosts,
-)
-from engine.speculation.goodput import StepShape
-from engine.speculation.policy import Candidate, SpeculationPolicy
-from engine.speculation.stats import StepStats, VerifyResult
 from tests.policy_fakes import FixedAlphas, FlatThenLinear
 
 PER_TOKEN = 0.01  # seconds of draft-model catch-up per token
@@ -138,7 +134,7 @@ def test_a_catch_up_beside_drafts_is_predicted_for_the_correction() -> None:
 
 def test_a_catch_up_only_forward_teaches_the_per_token_cost() -> None:
     """A first forward without drafting rows is all catch-up: its seconds over its tokens."""
-    from engine.speculation.model_drafter import DraftTiming
+    from engine.core.stats import DraftTiming
 
     policy = _policy(per_token=0.02)
     (d,) = _one(policy, [Candidate(_request(), 4, "draft_model", num_catch_up=1000)])
@@ -154,7 +150,7 @@ def test_the_first_forward_is_priced_as_steps_take_it() -> None:
     learned apart from the chained ones and priced as the first of a propose's forwards: a
     first forward three times a chained one makes drafting dearer, and a k = 1 draft costs
     exactly the first forward."""
-    from engine.speculation.model_drafter import DraftTiming
+    from engine.core.stats import DraftTiming
 
     policy = _policy(per_token=0.0)
     costs = policy.costs

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.drafters.draft_model import DraftModelProposer
+from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.speculation.draft_model import DraftModelProposer
 
 VOCAB = 32
 # Tensor methods that hand a tensor's values to Python: each one a device sync on CUDA.

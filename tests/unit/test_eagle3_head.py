@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.eagle3 import Eagle3Config
 from tests.conftest import build_tiny_model
 from tests.eagle3_heads import build_tiny_eagle3_head

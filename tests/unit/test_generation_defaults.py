@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine.generation_defaults import GenerationDefaults, load_generation_defaults
+from engine.models.generation_defaults import GenerationDefaults, load_generation_defaults
 
 
 def _write(directory: Path, config: Any) -> Path:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.cuda_graphs import NOT_CAPTURED
+from engine.execution.cuda_graphs import NOT_CAPTURED
 from tests.gpu.smoke.__main__ import main as smoke
 from tests.gpu.smoke.bench import CONCURRENCIES, INVARIANT_CONCURRENCIES, MODES, ReplayCounter
 from tests.gpu.smoke.models import TINY, build_pair

@@ -18,12 +18,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine.device
+import engine.runtime.device
 from engine.attention.base import flatten_step
 from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.device import Device
-from engine.runner import ModelRunner, SeqChunk
+from engine.core.chunks import SeqChunk
+from engine.execution.runner import ModelRunner
+from engine.runtime.device import Device
 
 META = torch.device("meta")
 BLOCK = 256  # flash-attn's page size; the torch backend takes any
@@ -94,7 +95,7 @@ class HostCopyRecorder(TorchFunctionMode):
         self._in_helper = False
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Stands in for engine.device.to_device: the same copy, counted as the helper's."""
+        """Stands in for engine.runtime.device.to_device: the same copy, counted as the helper's."""
         self.num_helper_copies += 1
         self._in_helper = True
         try:
@@ -113,9 +114,9 @@ class HostCopyRecorder(TorchFunctionMode):
 
 @pytest.fixture
 def recorder(monkeypatch) -> HostCopyRecorder:
-    """A recorder whose to_device replaces engine.device.to_device wherever engine imported it."""
+    """A recorder whose to_device replaces engine.runtime.device.to_device wherever engine imported it."""
     recorder = HostCopyRecorder()
-    real = engine.device.to_device
+    real = engine.runtime.device.to_device
     for name, module in list(sys.modules.items()):
         if name.startswith("engine") and getattr(module, "to_device", None) is real:
             monkeypatch.setattr(module, "to_device", recorder.to_device)

@@ -1,4 +1,4 @@
-"""The KV budget's arithmetic (engine/memory.py), with chosen memory figures: no device needed."""
+"""The KV budget's arithmetic (engine/execution/kv_plan.py), with chosen memory figures: no device needed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from engine.attention.base import BatchLayout
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.memory import (
+from engine.execution.kv_plan import (
     DEFAULT_CPU_KV_MEMORY,
     GiB,
     KVPlan,
@@ -170,7 +170,7 @@ _TRIM_CHECK = """
 import ctypes
 from pathlib import Path
 
-from engine.memory import release_freed_heap
+from engine.execution.kv_plan import release_freed_heap
 
 
 def resident():

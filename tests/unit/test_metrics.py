@@ -10,10 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
+from engine.core.counters import Histogram
+from engine.core.request import Request
 from engine.engine import LLMEngine
-from engine.metrics import EngineMetrics, Histogram
 from engine.outputs import OutputAccumulator, RequestOutput
-from engine.request import Request
+from engine.telemetry.serving_metrics import EngineMetrics
 from server.metrics import (
     EngineCollector,
     format_stats_line,

@@ -3,8 +3,8 @@ output carries nothing new."""
 
 from __future__ import annotations
 
+from engine.core.counters import SpecStats
 from engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput, TokenLogprob
-from engine.speculation.stats import SpecStats
 
 
 def _delta(

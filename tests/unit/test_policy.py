@@ -14,24 +14,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.speculation.acceptance import (
+from engine.core.request import Request
+from engine.core.schedule import Candidate, StepShape
+from engine.core.stats import StepStats, VerifyResult
+from engine.policy.acceptance import (
     ACCEPTANCE_DECAY,
     PRIOR_WEIGHT,
     AcceptanceTracker,
     expected_tokens,
 )
-from engine.speculation.goodput import (
-    AffineDraftCost,
-    StepShape,
-    best_draft_lengths,
-    forward_seconds,
-    goodput,
-)
-from engine.speculation.policy import Candidate, SpeculationPolicy
-from engine.speculation.stats import StepStats, VerifyResult
-from engine.speculation.step_time import StepTimeModel
+from engine.policy.goodput import AffineDraftCost, best_draft_lengths, forward_seconds, goodput
+from engine.policy.policy import SpeculationPolicy
+from engine.policy.step_time import StepTimeModel
+from engine.sampling_params import SamplingParams
 from tests.policy_fakes import KNEE, Driver, FixedAlphas, FixedMonitor, FlatThenLinear
 
 

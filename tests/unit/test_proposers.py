@@ -6,12 +6,13 @@ import random
 
 import pytest
 
-from engine.request import Request
+from engine.core.drafts import Draft
+from engine.core.request import Request
+from engine.drafters.ngram import SHORT_EXTENSION, NgramProposer, index_ngrams
+from engine.drafters.prediction import PredictionProposer
+from engine.drafters.registry import PROPOSERS, DrafterContext, make_proposer
 from engine.sampling_params import SamplingParams
-from engine.speculation.config import SpeculativeConfig
-from engine.speculation.ngram import SHORT_EXTENSION, NgramProposer, index_ngrams
-from engine.speculation.prediction import PredictionProposer
-from engine.speculation.proposer import PROPOSERS, Draft, make_proposer
+from engine.speculative_config import METHODS, SpeculativeConfig
 
 
 def _request(prompt: list[int], output: list[int] = (), request_id: str = "r") -> Request:
@@ -54,10 +55,18 @@ def _reference_ngram(token_ids: list[int], max_length: int, max_n: int, min_n: i
 def test_registered_by_name() -> None:
     assert {"ngram", "prediction", "draft_model"} <= set(PROPOSERS)
     spec = SpeculativeConfig(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
-    proposer = make_proposer("ngram", spec=spec, context=None)
+    proposer = make_proposer("ngram", DrafterContext(spec, vocab_size=100))
     assert isinstance(proposer, NgramProposer)
     assert (proposer.prompt_lookup_max, proposer.prompt_lookup_min) == (3, 1)
-    assert isinstance(make_proposer("prediction", spec=None, context=None), PredictionProposer)
+    prediction = make_proposer("prediction", DrafterContext(None, vocab_size=100))
+    assert isinstance(prediction, PredictionProposer)
+
+
+def test_every_method_a_config_may_name_has_a_factory() -> None:
+    # The config checks names against METHODS; the registry builds them: the two agree.
+    assert set(METHODS) == set(PROPOSERS)
+    with pytest.raises(ValueError, match="unknown speculative method 'suffix'"):
+        make_proposer("suffix", DrafterContext(None, vocab_size=100))
 
 
 @pytest.mark.parametrize("max_n,min_n", [(4, 0), (2, 3), (0, 0)])

@@ -11,12 +11,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.counter_rng import exponentials
-from engine.request import _mix
-from engine.sampler import Sampler, SamplingRow
+from engine.core.request import _mix
+from engine.sampling.counter_rng import exponentials
+from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.speculation.rejection import VerifyResult, rejection_sample, verify_by_sampling
-from engine.speculation.rejection_reference import (
+from engine.verification.rejection import VerifyResult, rejection_sample, verify_by_sampling
+from engine.verification.rejection_reference import (
     rejection_sample_reference,
     verify_by_sampling_reference,
 )

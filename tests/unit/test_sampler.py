@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.request import _mix
-from engine.sampler import Sampler, SamplingRow, _prefix_sums
-from engine.sampler_reference import process_reference, sample_reference
+from engine.core.request import _mix
+from engine.sampling.reference import process_reference, sample_reference
+from engine.sampling.sampler import Sampler, SamplingRow, _prefix_sums
 from engine.sampling_params import SamplingParams
 
 EOS = (2, 7)

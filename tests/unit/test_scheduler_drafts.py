@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.request import Request
+from engine.core.counters import PolicyStats
+from engine.core.drafts import DraftOffer
+from engine.core.request import Request
+from engine.core.schedule import Candidate, StepShape
+from engine.core.stats import Decision, StepStats
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.speculation.goodput import StepShape
-from engine.speculation.policy import Candidate
-from engine.speculation.speculator import DraftOffer
-from engine.speculation.stats import Decision, PolicyStats, StepStats
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.scheduler import Scheduler
 
 
 class GrantEverything:

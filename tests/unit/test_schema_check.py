@@ -43,7 +43,7 @@ UNENFORCED = {
 def compiler():
     from engine.models.bundled import resolve_model
     from engine.structured.compiler import GrammarCompiler
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     try:
         path = Path(resolve_model("smollm2-135m-instruct"))

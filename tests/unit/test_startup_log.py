@@ -10,8 +10,8 @@ import time
 import pytest
 
 from engine import LLM, kernels
-from engine.speculation import speculator
-from engine.speculation.step_time import StepTimeModel
+from engine.policy import setup
+from engine.policy.step_time import StepTimeModel
 from server.app import create_app
 from server.settings import Settings
 
@@ -20,7 +20,7 @@ _PHASE = re.compile(r"startup: (.+) (\d+\.\d) s")
 
 def _phases(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The phases logged, in order; every startup line must carry its time."""
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.startup"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.runtime.startup"]
     lines = [line for line in lines if line.startswith("startup: ")]
     matches = [_PHASE.fullmatch(line) for line in lines]
     assert all(matches), lines
@@ -30,10 +30,10 @@ def _phases(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_engine_logs_each_phase_with_its_time(tiny_llama, caplog, monkeypatch):
     # The calibration's own timing is not what this checks: a fit stands in for it.
     monkeypatch.setattr(
-        speculator, "load_or_calibrate", lambda *args, **kwargs: StepTimeModel([1], [1.0])
+        setup, "load_or_calibrate", lambda *args, **kwargs: StepTimeModel([1], [1.0])
     )
     kernels.cpu_kernels()  # loaded before, as the CLI's settings resolution does
-    with caplog.at_level(logging.INFO, logger="engine.startup"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.startup"):
         LLM(
             str(tiny_llama),
             dtype="float32",
@@ -54,14 +54,14 @@ def test_the_kernel_build_is_a_phase_of_its_own(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_loaded", {})  # as in a fresh process
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: None)
     monkeypatch.setattr(kernels, "_build", lambda: built)
-    with caplog.at_level(logging.INFO, logger="engine.startup"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.startup"):
         assert kernels.cpu_kernels() is built
         assert kernels.cpu_kernels() is built  # once per process
     assert _phases(caplog) == ["CPU kernels"]
 
 
 def test_draft_model_phases_are_logged(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.startup"):
+    with caplog.at_level(logging.INFO, logger="engine.runtime.startup"):
         LLM(
             str(tiny_llama),
             dtype="float32",
@@ -95,7 +95,7 @@ def test_server_logs_ready_in_from_the_start(tiny_llama, caplog):
     with caplog.at_level(logging.INFO):
         asyncio.run(start_then_stop())
     assert app.state.load_error is None
-    messages = [r.getMessage() for r in caplog.records if r.name == "engine.startup"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine.runtime.startup"]
     ready = [m for m in messages if m.startswith("ready in ")]
     assert len(ready) == 1 and messages[-1] == ready[0]
     match = re.fullmatch(r"ready in (\d+\.\d) s: serving (.+) as '(.+)'", ready[0])

@@ -20,14 +20,14 @@ import threading
 import pytest
 import torch
 
+from engine.core.request import Request
 from engine.errors import InvalidRequestError
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.masks import TokenMasks, new_masks, unpack_masks
 from engine.structured.state import GrammarState
-from engine.verifier import grammar_masks
+from engine.verification.verifier import grammar_masks
 from tests.tiny_tokenizers import JSON_CHARS, JSON_MERGES, json_pieces
 
 # The 32 JSON pieces, raw control characters (tab, 0x01, 0x1f; a newline, which tool-call tags

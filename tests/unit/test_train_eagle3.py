@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.core.chunks import SeqChunk
 from engine.models.eagle3 import REQUIRED_KEYS
-from engine.runner import SeqChunk
 from engine.training.eagle3 import TrainConfig, make_head, train
 from engine.training.eagle3_data import Example, draft_vocabulary, read_prompts
 from engine.training.eagle3_data import TrainSequence as Seq

@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import NOT_CAPTURED
+from engine.execution.cuda_graphs import NOT_CAPTURED
 from tests.gpu.smoke.models import ModelPair
 
 logger = logging.getLogger(__name__)
@@ -272,11 +272,11 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
 def _step_model(engine: LLMEngine) -> dict[str, Any] | None:
     """What mode auto prices steps with: its predictions (ms) of decode steps and of a verify
     batch, at no context and at 1,000 cached positions a sequence."""
-    policy = getattr(engine.speculator, "policy", None)
+    policy = getattr(engine, "policy", None)
     model = getattr(policy, "step_model", None)
     if model is None or not getattr(policy, "is_calibrated", True):
         return None
-    from engine.speculation.step_time import attention_reads
+    from engine.core.chunks import attention_reads
 
     def ms(seconds: float) -> float:
         return round(seconds * 1e3, 3)

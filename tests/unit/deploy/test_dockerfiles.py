@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from packaging.requirements import Requirement
 
-from engine.models.bundled import cache_root
+from engine.runtime.cache import cache_root
 from server.settings import load_settings
 from tests.unit.deploy.helpers import (
     CONFIGS,

@@ -11,8 +11,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from engine.core.counters import SpecStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.speculation.stats import SpecStats
 from server.response_builders import ResponseMeta
 from tests.tiny_tokenizers import byte_level_bpe
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.generation_defaults import GenerationDefaults
+from engine.models.generation_defaults import GenerationDefaults
 from server import errors
 from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request

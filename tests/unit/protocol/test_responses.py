@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.speculation.stats import SpecStats
+from engine.core.counters import SpecStats
 from server import errors
 from server.response_builders import build_chat_response, build_completion_response
 from server.responses import ModelCard, ModelList

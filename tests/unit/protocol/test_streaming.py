@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from engine.core.counters import SpecStats
 from engine.outputs import RequestOutput
-from engine.speculation.stats import SpecStats
 from server.response_builders import ChatStream, CompletionStream, usage_of
 from server.token_text import TextOffsets, TokenDecoder
 from tests.unit.protocol.helpers import (

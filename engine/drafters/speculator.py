@@ -1,0 +1,168 @@
+"""The speculator: which source would draft for each request (offers), and the drafts (propose).
+
+Requests under a grammar (structured outputs) draft the text it forces first, then requests that
+carry a prediction (OpenAI Predicted Outputs) draft from it; the rest go through the configured
+chain in order ("ngram+draft_model": n-gram first, the draft model for
+the requests n-gram finds nothing for). Before the scheduler runs, `offer` names each decoding
+request's source; a lookup source (n-gram, prediction) drafts right there, so its offer holds the
+draft itself and its length bounds the grant. The scheduler asks the policy for each request's
+k and hands back an immutable SchedulerOutput; `propose` cuts the lookup drafts to their grants
+and runs the draft model for the rest. A draft model is lazy: it runs only for the requests that
+draft with it, catching up on what it missed in its first forward. A lookup draft of a request
+under a grammar is cut where the grammar forbids a token (the verifier would reject it there).
+
+The speculator knows the drafters only; the policy's mode reaches `offer` as an argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.core.chunks import SeqChunk
+from engine.core.drafts import Draft, DraftOffer
+from engine.core.request import Request
+from engine.core.schedule import ScheduledRequest, SchedulerOutput
+from engine.core.stats import DraftTiming, VerifyResult
+from engine.drafters.drafting_loop import ModelDrafter
+from engine.drafters.proposer import Proposer
+from engine.drafters.registry import DrafterContext, make_proposer
+from engine.speculative_config import DEFAULT_PREDICTION_TOKENS
+from engine.verification.verifier import StepTokens
+
+
+class Speculator:
+    """The engine's draft sources: the configured chain, and every request's own (its grammar's
+    forced text, its prediction); drafts once per step."""
+
+    def __init__(
+        self,
+        chain: Sequence[Proposer],
+        prediction: Proposer,
+        grammar: Proposer,
+        num_tokens: int,
+    ) -> None:
+        self.chain = list(chain)
+        self.prediction = prediction
+        self.grammar = grammar
+        self.num_tokens = num_tokens  # the most drafts a request verifies in one step
+
+    @classmethod
+    def from_context(cls, context: DrafterContext) -> Speculator:
+        """The chain context.spec names (none without a config), and the request sources."""
+        spec = context.spec
+        chain = [make_proposer(name, context) for name in (spec.methods if spec else ())]
+        return cls(
+            chain,
+            make_proposer("prediction", context),
+            make_proposer("grammar", context),
+            spec.num_speculative_tokens if spec else DEFAULT_PREDICTION_TOKENS,
+        )
+
+    def offer(self, requests: Sequence[Request], mode: str) -> dict[str, DraftOffer]:
+        """An offer per decoding request (one known token left to compute) that some source can
+        draft for; requests nothing can draft for get none, and no decision. In mode off nothing
+        will be granted, so no lookup runs."""
+        offers = {}
+        for request in requests:
+            if request.num_output_tokens and request.num_tokens - request.num_computed_tokens == 1:
+                offer = self._offer(request, mode)
+                if offer is not None:
+                    offers[request.request_id] = offer
+        return offers
+
+    def _offer(self, request: Request, mode: str) -> DraftOffer | None:
+        sources: list[Proposer] = [self.grammar] if request.grammar is not None else []
+        if request.prediction_token_ids:
+            sources.append(self.prediction)
+        if mode == "off" and (sources or self.chain):
+            # Nothing will be granted: the decision (mode_off) needs no lookup's draft.
+            return DraftOffer((*sources, *self.chain)[0].name, self.num_tokens)
+        for proposer in (*sources, *self.chain):
+            if isinstance(proposer, ModelDrafter):
+                return DraftOffer(proposer.name, self.num_tokens, proposer.num_behind(request))
+            draft = proposer.propose([request], [self.num_tokens])[0]
+            if draft is not None and request.grammar is not None:
+                draft = _within_grammar(request, draft)
+            if draft is not None:
+                return DraftOffer(proposer.name, len(draft.token_ids), draft=draft)
+        return None
+
+    def propose(self, schedule: SchedulerOutput) -> dict[str, Draft]:
+        """The drafts for the granted requests: lookups cut to their grants, model drafts made
+        now (a proposer may fill fewer tokens than granted, or none)."""
+        pairs = [(s.request, s.num_new_tokens) for s in schedule.scheduled]
+        for proposer in (self.grammar, self.prediction, *self.chain):
+            proposer.prepare(pairs)
+        drafts: dict[str, Draft] = {}
+        by_model: dict[str, list[ScheduledRequest]] = {}
+        for s in schedule.scheduled:
+            if not s.num_draft_tokens or s.offer is None:
+                continue
+            if s.offer.draft is not None:
+                tokens = s.offer.draft.token_ids[: s.num_draft_tokens]
+                drafts[s.request.request_id] = replace(s.offer.draft, token_ids=tokens)
+            else:
+                by_model.setdefault(s.offer.source, []).append(s)
+        # Requests a draft model catches up on without drafting (the policy's chunk of it).
+        catch_up: dict[str, list[tuple[Request, int]]] = {}
+        chunks = {d.request_id: d.num_catch_up for d in schedule.decisions if d.num_catch_up}
+        for s in schedule.scheduled:
+            n = chunks.get(s.request.request_id, 0)
+            if n and not s.num_draft_tokens and s.offer is not None:
+                catch_up.setdefault(s.offer.source, []).append((s.request, n))
+        for proposer in self._model_drafters():
+            granted = by_model.get(proposer.name, [])
+            behind = catch_up.get(proposer.name, [])
+            if behind:
+                proposer.catch_up(behind)
+            if not granted and not behind:
+                continue
+            found = proposer.propose(
+                [s.request for s in granted], [s.num_draft_tokens for s in granted]
+            )
+            for s, draft in zip(granted, found, strict=True):
+                if draft is not None:
+                    assert len(draft.token_ids) <= s.num_draft_tokens, "drafted past its grant"
+                    drafts[s.request.request_id] = draft
+        return drafts
+
+    def after_step(
+        self, schedule: SchedulerOutput, chunks: Sequence[SeqChunk], results: Sequence[StepTokens]
+    ) -> None:
+        """Once the target has run and verified: a drafter that reads the target's hidden states
+        (eagle3) extends its KV over what the step computed and kept."""
+        for proposer in self._model_drafters():
+            proposer.after_step([s.request for s in schedule.scheduled], chunks, results)
+
+    def take_draft_timing(self) -> DraftTiming | None:
+        """The draft model's device time in this step, read once the step has synchronised."""
+        for proposer in self._model_drafters():
+            timing = proposer.take_timing()
+            if timing is not None:
+                return timing
+        return None
+
+    def free(self, request: Request) -> None:
+        for proposer in (self.grammar, self.prediction, *self.chain):
+            proposer.free(request)
+
+    def _model_drafters(self) -> list[ModelDrafter]:
+        return [p for p in self.chain if isinstance(p, ModelDrafter)]
+
+
+def _within_grammar(request: Request, draft: Draft) -> Draft | None:
+    """The draft cut before the first token the request's grammar forbids (None if the first)."""
+    num_allowed = request.grammar.num_allowed(draft.token_ids)
+    if num_allowed == len(draft.token_ids):
+        return draft
+    return replace(draft, token_ids=draft.token_ids[:num_allowed]) if num_allowed else None
+
+
+def shadow_result(s: ScheduledRequest, first_token: int) -> VerifyResult | None:
+    """A lookup draft the policy did not grant, checked against the token the step emitted (see
+    VerifyResult): whether its first token would have been accepted."""
+    if s.num_draft_tokens or s.offer is None or s.offer.draft is None:
+        return None
+    is_accepted = int(s.offer.draft.token_ids[0] == first_token)
+    return VerifyResult(s.request.request_id, s.offer.source, 1, is_accepted, is_shadow=True)

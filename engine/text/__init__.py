@@ -1,0 +1,1 @@
+"""Text and tokens: the tokenizer and chat templates, and incremental detokenization."""

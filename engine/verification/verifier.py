@@ -1,0 +1,250 @@
+"""Turns one step's logits into the tokens each request emits: plain sampling, or verification
+of draft tokens by speculative rejection sampling.
+
+A request that verifies k drafts owns k + 1 consecutive logit rows (the target's p_1 .. p_{k+1}
+from the single forward). Row j is processed with the request's history extended by d_1 .. d_j,
+so penalties and min_tokens advance position by position inside the window exactly as they
+would without speculation, and row j draws its randomness from the key of its own output position
+(`Request.random_key`; the draws of all rows are one batched counter computation,
+`engine/sampling/counter_rng.py`). Two verification paths, both exact:
+
+- one-hot drafts (n-gram, predicted outputs, a greedy draft model) and greedy requests: every row
+  samples its token x_j exactly as plain sampling would; drafts are accepted while d_j == x_j and
+  the request emits x_1 .. x_{a+1}. Output is token-identical to non-speculative decoding.
+- drafts with a distribution q (a sampling draft model): accept d_j with probability
+  min(1, p_j(d_j) / q_j(d_j)), recover from norm(max(0, p_j - q_j)), bonus from p_{k+1}.
+
+Logprobs of every emitted token come from the target's processed distribution at its row.
+
+A request under a grammar (structured outputs) has every row masked with the grammar state its
+drafts reach: row j with the state after d_1 .. d_j. A draft the grammar forbids has probability
+0 at its row, so it is rejected there and the rows after it are never read (they stay unmasked).
+The state rolls back after the masks are built; the engine advances it by the emitted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.drafts import Draft
+from engine.core.request import Request
+from engine.outputs import TokenLogprob
+from engine.runtime.device import to_device
+from engine.sampling.counter_rng import row_keys
+from engine.sampling.sampler import Sampler, SamplerOutput, SamplingRow, with_logprobs
+from engine.structured.masks import TokenMasks, new_masks
+from engine.verification.rejection import rejection_sample, verify_by_sampling
+
+# Randomness streams of one output position (stream 0 samples the token itself).
+VERIFY_STREAM = 1
+DRAFT_STREAM = 2
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What one request emitted this step."""
+
+    token_ids: list[int]  # 1 + num_accepted tokens
+    num_draft_tokens: int  # drafts verified
+    num_accepted: int  # drafts accepted (the recovered or bonus token excluded)
+    logprobs: list[TokenLogprob] | None
+
+
+class _History(Sequence[int]):
+    """A request's output followed by the first drafts, without copying the output."""
+
+    def __init__(self, base: Sequence[int], extra: Sequence[int]) -> None:
+        self._base, self._extra = base, extra
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._extra)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        n = len(self._base)
+        return self._base[i] if i < n else self._extra[i - n]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._base
+        yield from self._extra
+
+
+def sampling_row(
+    request: Request, draft_ids: Sequence[int], device: torch.device, stream: int = 0
+) -> SamplingRow:
+    """The row for the position after request's output followed by draft_ids, keyed for that
+    position and stream. (`device`, where the logits live, is kept for callers: the key is a
+    plain integer, its draws are made on the logits' device.)"""
+    params, output = request.params, request.output_token_ids
+    index = len(output) + len(draft_ids)
+    return SamplingRow(
+        params=params,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=_History(output, draft_ids) if draft_ids else output,
+        random_key=None if params.is_greedy else request.random_key(index, stream),
+    )
+
+
+def sampling_rows(
+    request: Request, draft_ids: Sequence[int], device: torch.device
+) -> list[SamplingRow]:
+    """The len(draft_ids) + 1 rows of a request verifying draft_ids (one row without drafts)."""
+    return [sampling_row(request, draft_ids[:j], device) for j in range(len(draft_ids) + 1)]
+
+
+class Verifier:
+    """Samples and verifies for every request that has logit rows this step."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def run(
+        self, logits: torch.Tensor, items: Sequence[tuple[Request, Draft | None]]
+    ) -> list[StepTokens]:
+        """logits [num_rows, vocab]: rows of the items in order (1 + len(draft) each)."""
+        drafts = [list(d.token_ids) if d is not None else [] for _, d in items]
+        rows = [
+            row
+            for (req, _), ids in zip(items, drafts, strict=True)
+            for row in sampling_rows(req, ids, logits.device)
+        ]
+        starts = _row_starts(drafts)
+        masks = grammar_masks([r for r, _ in items], drafts, starts, self.sampler.vocab_size)
+        is_prob = [
+            d is not None and d.probs is not None and not r.params.is_greedy for r, d in items
+        ]
+        if not any(is_prob):
+            sampled = self.sampler.sample(logits, rows, masks)
+            verified = verify_by_sampling(sampled.token_ids, drafts)
+            return _results(
+                verified.output_token_ids, verified.num_accepted, drafts, starts, sampled
+            )
+        return self._run_with_probs(logits, items, drafts, rows, starts, is_prob, masks)
+
+    def _run_with_probs(
+        self,
+        logits: torch.Tensor,
+        items: Sequence[tuple[Request, Draft | None]],
+        drafts: list[list[int]],
+        rows: list[SamplingRow],
+        starts: list[int],
+        is_prob: list[bool],
+        masks: TokenMasks | None,
+    ) -> list[StepTokens]:
+        processed = self.sampler.process(logits, rows, masks)  # [num_rows, vocab_size]
+        tokens: list[list[int]] = [[] for _ in items]
+        accepted = [0] * len(items)
+        plain = [i for i, p in enumerate(is_prob) if not p]
+        if plain:
+            idx = [starts[i] + j for i in plain for j in range(len(drafts[i]) + 1)]
+            sampled = self.sampler.sample_processed(processed[idx], [rows[r] for r in idx])
+            result = verify_by_sampling(sampled.token_ids, [drafts[i] for i in plain])
+            for i, out, num in zip(
+                plain, result.output_token_ids, result.num_accepted, strict=True
+            ):
+                tokens[i], accepted[i] = out, num
+        spec = [i for i, p in enumerate(is_prob) if p]
+        idx = [starts[i] + j for i in spec for j in range(len(drafts[i]) + 1)]
+        result = rejection_sample(
+            processed[idx],
+            [drafts[i] for i in spec],
+            torch.cat([items[i][1].probs for i in spec]),  # type: ignore[union-attr, misc]
+            _verify_keys([items[i][0] for i in spec], [drafts[i] for i in spec], logits.device),
+        )
+        for i, out, num in zip(spec, result.output_token_ids, result.num_accepted, strict=True):
+            tokens[i], accepted[i] = out, num
+        # Logprobs of the emitted tokens, each at its own row.
+        emit_rows = [starts[i] + j for i, out in enumerate(tokens) for j in range(len(out))]
+        emitted = to_device(
+            torch.tensor([t for out in tokens for t in out], dtype=torch.int64, device="cpu"),
+            processed.device,
+        )
+        scored = with_logprobs(processed[emit_rows], emitted, [rows[r] for r in emit_rows])
+        return _results(tokens, accepted, drafts, _row_starts([t[1:] for t in tokens]), scored)
+
+
+def _verify_keys(
+    requests: Sequence[Request], drafts: Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """[num_rows] int64 on `device`: the VERIFY_STREAM key of every row of the requests
+    verifying drafts with a distribution, in row order; one copy for the whole step."""
+    keys = [
+        request.random_key(len(request.output_token_ids) + j, VERIFY_STREAM)
+        for request, ids in zip(requests, drafts, strict=True)
+        for j in range(len(ids) + 1)
+    ]
+    return row_keys(keys, device)
+
+
+def grammar_masks(
+    requests: Sequence[Request],
+    drafts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    vocab_size: int,
+) -> TokenMasks | None:
+    """The masks of every row of the requests under a grammar (None when no request has one):
+    row j of a request with the state after its first j drafts, each grammar rolled back after.
+    A row past a draft the grammar forbids, or past the grammar's end, stays unmasked: it is
+    never read."""
+    grammar_ids = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not grammar_ids:
+        return None
+    row_ids = [starts[i] + j for i in grammar_ids for j in range(len(drafts[i]) + 1)]
+    packed = new_masks(len(row_ids), vocab_size)  # [num_masked_rows, words]
+    row = 0
+    for i in grammar_ids:
+        state, ids = requests[i].grammar, drafts[i]
+        depth = 0  # drafts the state has taken
+        for j in range(len(ids) + 1):
+            if j and depth == j - 1 and not state.is_terminated and state.accept(ids[j - 1]):
+                depth = j
+            if depth == j and not state.is_terminated:
+                state.fill_mask(packed, row)
+            row += 1
+        state.rollback(depth)
+    return TokenMasks(row_ids, packed)
+
+
+def _row_starts(drafts: Sequence[Sequence[int]]) -> list[int]:
+    starts, start = [], 0
+    for ids in drafts:
+        starts.append(start)
+        start += len(ids) + 1
+    return starts
+
+
+def _results(
+    tokens: Sequence[list[int]],
+    accepted: Sequence[int],
+    drafts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    scored: SamplerOutput,
+) -> list[StepTokens]:
+    """StepTokens per request; `scored` holds logprobs at rows starts[i] + j for token j."""
+    logprobs = None
+    if scored.logprobs is not None and scored.top_token_ids is not None:
+        assert scored.top_logprobs is not None
+        logprobs = (
+            scored.logprobs.tolist(),
+            scored.top_token_ids.tolist(),
+            scored.top_logprobs.tolist(),
+        )
+    results = []
+    for out, num, ids, start in zip(tokens, accepted, drafts, starts, strict=True):
+        entries = None
+        if logprobs is not None:
+            chosen, top_ids, top_values = logprobs
+            entries = [
+                TokenLogprob(
+                    t, chosen[start + j], tuple(top_ids[start + j]), tuple(top_values[start + j])
+                )
+                for j, t in enumerate(out)
+            ]
+        results.append(StepTokens(list(out), len(ids), num, entries))
+    return results
