@@ -1,4 +1,5 @@
-"""The FastAPI application: `create_app(settings)` builds one, with all of its state on `app.state`.
+"""The FastAPI application: `create_app(settings)` builds one, with its state in one typed
+`ServerState` on `app.state` (server/state.py).
 
 Lifespan: at start-up the engine loads in a worker thread (GET /health answers 503 "loading"
 meanwhile) and its `AsyncEngine` loop starts. At shutdown admission stops, in-flight requests get
@@ -7,8 +8,8 @@ error event and [DONE]: the CLI starts that drain when the signal arrives (`begi
 while uvicorn still waits for the responses (its own deadline is later, `SHUTDOWN_GRACE_S`), and
 the lifespan's end finishes it.
 Meanwhile a background task logs the engine's stats every `log_stats_interval` seconds.
-Start-up logs one line per phase with its time (engine.runtime.startup), the last "ready in X s", counted
-from `started` (the CLI's start).
+Start-up logs one line per phase with its time (engine.runtime.startup), the last "ready in X s",
+counted from `started` (the CLI's start).
 
 Middleware, outermost first: CORS (when origins are configured), the API key (a pure ASGI check
 of `scope["path"]`, so nothing rebuilt from the Host header decides what is public), and the
@@ -38,7 +39,6 @@ from starlette.requests import ClientDisconnect
 from engine.engine import LLMEngine
 from engine.models.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.runtime.startup import log_ready, startup_phase
-from server.admin import admin_router
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import (
     INVALID_REQUEST,
@@ -47,21 +47,17 @@ from server.errors import (
     invalid_request,
     not_found,
 )
-from server.metrics import (
-    EngineSnapshot,
-    ServerCollector,
-    ServerCounters,
-    format_stats_line,
-    new_registry,
-    read_snapshot,
-)
+from server.grammar_worker import GrammarWorker
+from server.metrics import EngineSnapshot, format_stats_line, read_snapshot
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, error_response
-from server.response_format import GrammarWorker
-from server.routes import ClientDisconnected, router, version
+from server.prompt_tokenizer import PromptTokenizer, copies
+from server.routes.admin import admin_router
+from server.routes.generation import ClientDisconnected, generation_router
+from server.routes.service import service_router, version
+from server.routes.tokenize import tokenize_router
 from server.settings import Settings
-from server.token_text import TokenDecoder
-from server.tokenization import PromptTokenizer, copies
-from server.tokenize_routes import tokenize_router
+from server.state import ServerState, Serving, attach_state, server_state
+from server.token_bytes import TokenDecoder
 from server.tool_calls import model_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -81,25 +77,9 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    state = app.state
-    state.settings = settings
-    state.limits = settings.request_limits()
-    state.given_engine = async_engine
-    state.async_engine = None  # set once the engine serves
-    state.tokens = None  # the TokenDecoder of the served tokenizer
-    state.prompt_tokenizer = None  # its PromptTokenizer (None: the model has no tokenizer)
-    state.tool_parser = None  # how the model writes tool calls (None: it calls none)
-    state.grammar_worker = None  # compiles structured-output grammars (None: no tokenizer)
-    state.generation_defaults = GenerationDefaults()  # the model's sampling defaults, once read
-    state.load_error = None
-    state.draining = None  # the engine's shutdown, once begun (begin_shutdown)
-    state.stop_server = None  # Callable[[], None]: the CLI's way out when loading fails
-    state.created = int(time.time())
-    state.started = time.monotonic() if started is None else started
-    state.metrics_registry, state.metrics_collector = new_registry(settings.model_name)
-    state.counters = ServerCounters()  # the HTTP layer's (server/connections.py)
-    state.metrics_registry.register(ServerCollector(settings.model_name, state.counters))
-    app.include_router(router)
+    attach_state(app, ServerState.new(settings, async_engine, started))
+    app.include_router(service_router)
+    app.include_router(generation_router)
     app.include_router(tokenize_router)
     app.include_router(admin_router)
     _add_error_handlers(app)
@@ -123,15 +103,15 @@ def create_app(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    state = app.state
+    state = server_state(app)
     loader: asyncio.Future[None] | None = None
     if state.given_engine is not None:
-        _serve(app, state.given_engine)
+        _serve(state, state.given_engine)
         log_ready(state.started, f"serving {state.settings.model_name!r}")
     else:
-        loader = asyncio.ensure_future(_load_engine(app))
+        loader = asyncio.ensure_future(_load_engine(state))
     interval = state.settings.log_stats_interval
-    stats_log = asyncio.ensure_future(_log_stats(app, interval)) if interval > 0 else None
+    stats_log = asyncio.ensure_future(_log_stats(state, interval)) if interval > 0 else None
     try:
         yield
     finally:
@@ -142,12 +122,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             loader.cancel()  # the loading thread runs on, but its engine is never served
             await asyncio.gather(loader, return_exceptions=True)
         begin_shutdown(app)
-        if state.draining is not None:
-            await state.draining
-        if state.prompt_tokenizer is not None:
-            state.prompt_tokenizer.close()
-        if state.grammar_worker is not None:
-            state.grammar_worker.close()
+        if state.lifecycle.draining is not None:
+            await state.lifecycle.draining
+        if state.serving is not None:
+            state.serving.close()
 
 
 # Seconds the HTTP server waits for open responses past shutdown_timeout before it cancels them:
@@ -159,26 +137,27 @@ SHUTDOWN_GRACE_S = 5.0
 def begin_shutdown(app: FastAPI) -> None:
     """Start the engine's drain (on the event loop; once): admission stops, in-flight requests
     get shutdown_timeout seconds, the rest are aborted and their streams end cleanly."""
-    state = app.state
-    engine: AsyncEngine | None = state.async_engine
-    if engine is None or state.draining is not None:
+    state = server_state(app)
+    engine = state.async_engine
+    if engine is None or state.lifecycle.draining is not None:
         return
-    logger.info("shutting down: in-flight requests get %.0f s", state.settings.shutdown_timeout)
-    state.draining = asyncio.ensure_future(engine.shutdown(state.settings.shutdown_timeout))
+    timeout = state.settings.shutdown_timeout
+    logger.info("shutting down: in-flight requests get %.0f s", timeout)
+    state.lifecycle.draining = asyncio.ensure_future(engine.shutdown(timeout))
 
 
-async def _load_engine(app: FastAPI) -> None:
-    settings: Settings = app.state.settings
+async def _load_engine(state: ServerState) -> None:
+    settings = state.settings
     logger.info("loading %s", settings.model)
     try:
         engine = await _in_own_thread(LLMEngine, settings.engine_config())
         with startup_phase("server"):
-            _serve(app, AsyncEngine(engine, settings.max_queue))
-        log_ready(app.state.started, f"serving {settings.model} as {settings.model_name!r}")
+            _serve(state, AsyncEngine(engine, settings.max_queue))
+        log_ready(state.started, f"serving {settings.model} as {settings.model_name!r}")
     except Exception as exc:
         logger.exception("the engine failed to load")
-        app.state.load_error = exc
-        stop: Callable[[], None] | None = app.state.stop_server
+        state.lifecycle.load_error = exc
+        stop = state.lifecycle.stop_server
         if stop is not None:
             stop()
 
@@ -201,14 +180,14 @@ async def _in_own_thread(fn: Callable[..., _T], *args: object) -> _T:
         pool.shutdown(wait=False)  # the thread exits once fn returns
 
 
-async def _log_stats(app: FastAPI, interval: float) -> None:
+async def _log_stats(state: ServerState, interval: float) -> None:
     """Every `interval` seconds, one log line of the engine's numbers over that interval (none
     while the engine is idle or not serving). The snapshot is read between steps, like /metrics."""
     previous: EngineSnapshot | None = None
     last = time.monotonic()
     while True:
         await asyncio.sleep(interval)
-        engine: AsyncEngine | None = app.state.async_engine
+        engine = state.async_engine
         if engine is None or not engine.is_alive:
             continue
         try:
@@ -228,23 +207,38 @@ async def _log_stats(app: FastAPI, interval: float) -> None:
         previous, last = current, now
 
 
-def _serve(app: FastAPI, async_engine: AsyncEngine) -> None:
-    if app.state.settings.generation_config == "auto":  # first: a bad file starts nothing
-        model_dir = async_engine.engine.model_config.path
-        app.state.generation_defaults = load_generation_defaults(model_dir)
+def _serve(state: ServerState, async_engine: AsyncEngine) -> None:
+    """Build what the routes serve with, start the engine loop, and only then publish it."""
+    engine = async_engine.engine
+    defaults = GenerationDefaults()
+    if state.settings.generation_config == "auto":  # first: a bad file starts nothing
+        defaults = load_generation_defaults(engine.model_config.path)
     # Before the engine thread starts: the copies are made while nothing else uses the tokenizer,
     # and from then on each thread has its own (the loop's token texts, the prompt tokenizer's
     # thread, the engine's detokenizer).
-    tokenizer = async_engine.engine.tokenizer
-    if tokenizer is not None:
-        for_tokens, for_prompts = copies(tokenizer, 2)
-        app.state.tokens = TokenDecoder(for_tokens)
-        app.state.prompt_tokenizer = PromptTokenizer(for_prompts)
-        app.state.tool_parser = model_tool_parser(app.state.settings, async_engine.engine)
-    if async_engine.engine.grammars is not None:
-        app.state.grammar_worker = GrammarWorker(async_engine.engine.grammars)
-    async_engine.start()
-    app.state.async_engine = async_engine
+    token_decoder, prompt_tokenizer, tool_parser = None, None, None
+    if engine.tokenizer is not None:
+        for_tokens, for_prompts = copies(engine.tokenizer, 2)
+        token_decoder = TokenDecoder(for_tokens)
+        prompt_tokenizer = PromptTokenizer(for_prompts)
+        model_type = getattr(engine.model_config.hf_config, "model_type", None)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        tool_parser = model_tool_parser(state.settings.tool_parser, template, model_type)
+    grammar_worker = GrammarWorker(engine.grammars) if engine.grammars is not None else None
+    serving = Serving(
+        async_engine=async_engine,
+        token_decoder=token_decoder,
+        prompt_tokenizer=prompt_tokenizer,
+        tool_parser=tool_parser,
+        grammar_worker=grammar_worker,
+        generation_defaults=defaults,
+    )
+    try:
+        async_engine.start()
+    except BaseException:
+        serving.close()
+        raise
+    state.lifecycle.begin_serving(serving)
 
 
 # --------------------------------------------------------------------------- errors

@@ -100,8 +100,10 @@ def _serve(settings: Settings, started: float) -> int:
 
     from server.app import SHUTDOWN_GRACE_S, begin_shutdown, create_app
     from server.connections import uvicorn_config
+    from server.state import server_state
 
     app = create_app(settings, started=started)
+    lifecycle = server_state(app).lifecycle
     config = uvicorn_config(
         app,
         settings,
@@ -125,10 +127,10 @@ def _serve(settings: Settings, started: float) -> int:
     def stop() -> None:  # the engine failed to load: nothing to serve
         server.should_exit = True
 
-    app.state.stop_server = stop
+    lifecycle.stop_server = stop
     _log_examples(settings)
     server.run()
-    return 1 if app.state.load_error is not None else 0
+    return 1 if lifecycle.load_error is not None else 0
 
 
 def _log_examples(settings: Settings) -> None:

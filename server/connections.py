@@ -24,10 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.metrics import ServerCounters
 from server.settings import Settings
+from server.state import server_state
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +121,10 @@ def timed_protocol(
     return type("SpecserveH11Protocol", (TimedH11Protocol,), attrs)
 
 
-def uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
+def uvicorn_config(app: Starlette, settings: Settings, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration for `app` (built by `create_app(settings)`): the h11 protocol with
-    the settings' header and stall timeouts; `options` are uvicorn.Config's own."""
-    counters = getattr(getattr(app, "state", None), "counters", None)
+    the settings' header and stall timeouts, counting into the app's server counters; `options`
+    are uvicorn.Config's own."""
+    counters = server_state(app).counters
     protocol = timed_protocol(settings.header_timeout, settings.stream_stall_timeout, counters)
     return uvicorn.Config(app, http=protocol, **options)

@@ -112,6 +112,12 @@ def server_overloaded(retry_after_s: float, status: int = 429) -> OpenAIError:
     return OpenAIError(status, message, SERVER_ERROR, None, "server_overloaded", headers)
 
 
+def engine_unavailable() -> OpenAIError:
+    """503 for an engine that is loading, shutting down or dead (no internals in the message)."""
+    message = "The engine is not serving requests right now (loading or shutting down)."
+    return OpenAIError(503, message, SERVER_ERROR, None, "engine_unavailable", {"Retry-After": "5"})
+
+
 def internal_error(request_id: str | None = None) -> OpenAIError:
     """500 with a fixed message: the exception itself is for the log, not for the client."""
     message = "The server had an error while processing your request."

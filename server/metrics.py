@@ -254,9 +254,10 @@ class EngineCollector(Collector):
             ((str(pos),) for pos in range(1, len(s.accepted_per_pos) + 1)),
             s.accepted_per_pos,
         )
+        draft_counts = [(n, a) for _, n, a in s.by_source]  # (draft tokens, accepted)
         for name, doc, column in (
-            ("spec_decode_num_draft_tokens_by_method", "Draft tokens verified", 1),
-            ("spec_decode_num_accepted_tokens_by_method", "Draft tokens accepted", 2),
+            ("spec_decode_num_draft_tokens_by_method", "Draft tokens verified", 0),
+            ("spec_decode_num_accepted_tokens_by_method", "Draft tokens accepted", 1),
         ):
             yield self._counter(
                 name,
@@ -264,7 +265,7 @@ class EngineCollector(Collector):
                 "prediction, grammar).",
                 "method",
                 ((row[0],) for row in s.by_source),
-                (row[column] for row in s.by_source),
+                (counts[column] for counts in draft_counts),
             )
         decisions = dict.fromkeys(POLICY_DECISIONS, 0) | dict(s.policy_decisions)
         yield self._counter(

@@ -13,8 +13,9 @@ the spec's int64 range and a negative seed is mapped into the engine's unsigned 
 two's complement (`seed % 2**64`), so distinct seeds stay distinct. Counts are bounded by the
 server's `RequestLimits` (`server/request_limits.py`), given to `parse_request`. `echo` is
 rejected (not implemented). The `speculation` extension, unlike OpenAI's objects, rejects unknown
-keys. Messages are `server/chat_messages.py`'s, tools and tool choices `server/tool_protocol.py`'s.
-Response bodies live in `server/responses.py`.
+keys. Messages are `server/chat_messages.py`'s, tools and tool choices `server/tool_protocol.py`'s,
+`response_format` `server/structured_protocol.py`'s. Response bodies live in
+`server/response_bodies.py`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from server.request_checks import (
     reject_unsupported,
 )
 from server.request_limits import RequestLimits, limits_of, num_sequences_error
-from server.response_format import ResponseFormat
+from server.structured_protocol import ResponseFormat
 from server.tool_protocol import FunctionTool, ToolChoice, check_tools
 
 N_MAX = 16  # most choices per request (`n`); read at validation time, so a server may change it

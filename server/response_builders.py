@@ -1,4 +1,4 @@
-"""Engine outputs -> OpenAI responses and stream chunks.
+"""Engine outputs -> OpenAI responses and stream chunks (the bodies of `server/response_bodies.py`).
 
 Response builders read whole outputs (an `OutputAccumulator`'s); stream builders read the
 engine's per-step outputs, each once and in order, and send what each one adds (see
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.core.counters import SpecStats
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from server.responses import (
+from server.response_bodies import (
     SYSTEM_FINGERPRINT,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -46,7 +46,7 @@ from server.responses import (
     TopLogprob,
     Usage,
 )
-from server.token_text import TextOffsets, TokenDecoder
+from server.token_bytes import TextOffsets, TokenDecoder
 from server.tool_calls import ToolDeltas, reply_message, with_calls
 from server.tool_parsers import ToolParser
 
@@ -156,7 +156,7 @@ def completion_logprobs(
 def build_chat_response(
     meta: ResponseMeta,
     output: RequestOutput,
-    tokens: TokenDecoder,
+    tokens: TokenDecoder | None,
     include_spec_stats: bool = False,
     tool_parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
@@ -171,7 +171,7 @@ def build_chat_response(
             ChatCompletionChoice(
                 index=c.index,
                 message=message,
-                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, tokens),
+                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, _needed(tokens)),
                 finish_reason=reason,
                 speculative_decoding_stats=_stats_if(include_spec_stats, c),
             )
@@ -189,7 +189,7 @@ def build_chat_response(
 def build_completion_response(
     meta: ResponseMeta,
     outputs: Sequence[RequestOutput],
-    tokens: TokenDecoder,
+    tokens: TokenDecoder | None,
     include_spec_stats: bool = False,
 ) -> CompletionResponse:
     """The body of finished, non-streamed completions: outputs[p] is prompt p's request."""
@@ -198,7 +198,8 @@ def build_completion_response(
         for c in output.outputs:
             logprobs = None
             if c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, tokens, TextOffsets(tokens))
+                decoder = _needed(tokens)
+                logprobs = completion_logprobs(c.logprobs, decoder, TextOffsets(decoder))
             choices.append(
                 CompletionChoice(
                     index=prompt_index * len(output.outputs) + c.index,
@@ -218,6 +219,14 @@ def build_completion_response(
     )
 
 
+def _needed(tokens: TokenDecoder | None) -> TokenDecoder:
+    """The token texts logprobs are written with. A model served without a tokenizer has none:
+    its logprobs fail as an internal error."""
+    if tokens is None:
+        raise RuntimeError("logprobs need the served model's tokenizer")
+    return tokens
+
+
 @dataclass
 class _Sent:
     """Where one choice of a stream stands."""
@@ -231,7 +240,7 @@ class _Sent:
 @dataclass
 class _Stream:
     meta: ResponseMeta
-    tokens: TokenDecoder
+    tokens: TokenDecoder | None  # None: a model served without a tokenizer (no logprobs)
     include_usage: bool = False
     include_spec_stats: bool = False
     _sent: dict[int, _Sent] = field(default_factory=dict)
@@ -277,7 +286,7 @@ class ChatStream(_Stream):
             for i, delta in enumerate(deltas):
                 # The step's logprobs ride on its first chunk.
                 has_logprobs = c.logprobs is not None and i == 0
-                logprobs = chat_logprobs(entries, self.tokens) if has_logprobs else None
+                logprobs = chat_logprobs(entries, _needed(self.tokens)) if has_logprobs else None
                 choice = ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=logprobs)
                 chunks.append(self._chunk(choice))
             reason = self._finish(sent, c)
@@ -321,7 +330,7 @@ class CompletionStream(_Stream):
     def __init__(
         self,
         meta: ResponseMeta,
-        tokens: TokenDecoder,
+        tokens: TokenDecoder | None,
         n: int = 1,
         include_usage: bool = False,
         include_spec_stats: bool = False,
@@ -334,14 +343,17 @@ class CompletionStream(_Stream):
         chunks = []
         for c in output.outputs:
             index = prompt_index * self.n + c.index
-            sent = self._sent.setdefault(index, _Sent(offsets=TextOffsets(self.tokens)))
+            sent = self._sent.setdefault(index, _Sent())
             text, entries = c.text, c.logprobs or []
             reason = self._finish(sent, c)
             if not (text or entries or reason):
                 continue
             logprobs = None
-            if c.logprobs is not None and sent.offsets is not None:
-                logprobs = completion_logprobs(entries, self.tokens, sent.offsets)
+            if c.logprobs is not None:
+                decoder = _needed(self.tokens)
+                if sent.offsets is None:  # a choice's outputs all have logprobs or none do
+                    sent.offsets = TextOffsets(decoder)
+                logprobs = completion_logprobs(entries, decoder, sent.offsets)
             choice = CompletionStreamChoice(
                 index=index,
                 text=text,

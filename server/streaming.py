@@ -29,9 +29,9 @@ from starlette.types import Receive, Scope, Send
 from engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError
-from server.errors import SERVER_ERROR, OpenAIError, internal_error
+from server.errors import SERVER_ERROR, OpenAIError, engine_unavailable, internal_error
 from server.response_builders import ChatStream, CompletionStream
-from server.token_text import TokenDecoder
+from server.token_bytes import TokenDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 class RequestAborted(RuntimeError):
     """The engine aborted a request the client still waits for (shutdown or an admin abort)."""
-
-
-def engine_unavailable() -> OpenAIError:
-    """503 for an engine that is loading, shutting down or dead (no internals in the message)."""
-    message = "The engine is not serving requests right now (loading or shutting down)."
-    return OpenAIError(503, message, SERVER_ERROR, None, "engine_unavailable", {"Retry-After": "5"})
 
 
 def aborted_error() -> OpenAIError:

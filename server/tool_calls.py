@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.structured.spec import StructuredOutput
 from server.errors import invalid_request
 from server.protocol import ChatCompletionRequest
-from server.responses import (
+from server.response_bodies import (
     ChatCompletionDelta,
     ChatCompletionMessage,
     FinishReason,
@@ -55,21 +55,18 @@ from server.tool_parsers.base import (
     Text,
 )
 
-if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-    from server.settings import Settings
-
 logger = logging.getLogger(__name__)
 
 
-def model_tool_parser(settings: Settings, engine: LLMEngine) -> ToolParser | None:
-    """The parser for the served model under the `tool_parser` setting ("auto": from its chat
-    template, else its model type)."""
-    template = getattr(engine.tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: any of them may show the format
-        template = "\n".join(str(t) for t in template.values())
-    model_type = getattr(engine.model_config.hf_config, "model_type", None)
-    parser = select_parser(settings.tool_parser, template, model_type)
+def model_tool_parser(
+    setting: str, chat_template: object, model_type: str | None
+) -> ToolParser | None:
+    """The parser for the served model under the `tool_parser` setting ("auto": from its
+    tokenizer's `chat_template`, else its `model_type`)."""
+    if isinstance(chat_template, dict):  # named templates: any of them may show the format
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    template = chat_template if isinstance(chat_template, str) else None
+    parser = select_parser(setting, template, model_type)
     logger.info("tool calls: %s", f"the {parser.name} format" if parser else "not available")
     return parser
 

@@ -34,6 +34,7 @@ from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.connections import uvicorn_config
 from server.settings import Settings
+from server.state import ServerState, Serving, server_state
 from tests.conftest import build_tiny_model
 from tests.e2e.server_helpers import SCHEMA_NAMES, server_settings
 from tests.openapi_spec import spec_schemas, validators
@@ -125,8 +126,19 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def state(self) -> ServerState:
+        return server_state(self.app)
+
+    @property
+    def serving(self) -> Serving:
+        """What the app serves with (it must serve by now)."""
+        serving = self.state.serving
+        assert serving is not None, "the engine does not serve"
+        return serving
+
+    @property
     def async_engine(self) -> AsyncEngine:
-        return self.app.state.async_engine
+        return self.serving.async_engine
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread (between steps) and return its result."""
@@ -147,7 +159,7 @@ def live_server(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn_config(app, app.state.settings, log_level="warning", lifespan="on")
+    config = uvicorn_config(app, server_state(app).settings, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

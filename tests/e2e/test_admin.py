@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from engine.engine import LLMEngine
-from server.admin import check_engine
 from server.app import create_app
+from server.routes.admin import check_engine
 from tests.e2e.conftest import LiveServer, live_server, tiny_settings, wait_idle
 
 MODEL = "tiny-admin"

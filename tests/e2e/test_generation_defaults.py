@@ -65,7 +65,7 @@ def test_no_temperature_takes_the_models_greedy_default(auto, endpoint):
     assert _generate(auto, endpoint) == greedy
     assert _generate(auto, endpoint, temperature=None) == greedy  # null is left out
     assert _generate(auto, endpoint, n=2) == greedy * 2
-    assert auto.app.state.generation_defaults == GenerationDefaults(temperature=0.0)
+    assert auto.serving.generation_defaults == GenerationDefaults(temperature=0.0)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -79,7 +79,7 @@ def test_an_explicit_temperature_wins(auto, endpoint):
 def test_generation_config_none_ignores_the_file(greedy_model):
     settings = tiny_settings(greedy_model, MODEL, generation_config="none")
     with live_server(create_app(settings)) as live:
-        assert live.app.state.generation_defaults == GenerationDefaults()
+        assert live.serving.generation_defaults == GenerationDefaults()
         # OpenAI's default temperature, 1: the same draw as an explicit 1 with the same seed.
         sampled = _generate(live, "chat", seed=SEED)
         assert sampled == _generate(live, "chat", temperature=1.0, seed=SEED)
@@ -95,7 +95,7 @@ def test_a_file_no_request_could_ask_for_is_not_served(tmp_path):
             time.sleep(0.05)
         health = httpx.get(f"{live.base_url}/health")
         assert (health.status_code, health.json()) == (503, {"status": "failed"})
-        error = live.app.state.load_error
+        error = live.state.lifecycle.load_error
         assert isinstance(error, ValueError) and "temperature must be in [0, 2]" in str(error)
 
 

@@ -6,6 +6,7 @@ server that keeps serving. The server is the package's shared `server` (tests/e2
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -139,7 +140,8 @@ def test_bad_inputs_get_an_envelope_and_the_server_keeps_serving(server, schemas
 
 def test_internal_errors_hide_their_text(server):
     """A failure inside the server is a 500 (or an error event) with a fixed message."""
-    tokens, server.app.state.tokens = server.app.state.tokens, None  # breaks logprobs
+    lifecycle, serving = server.state.lifecycle, server.serving
+    lifecycle.serving = replace(serving, token_decoder=None)  # breaks logprobs
     try:
         body = chat_body(logprobs=True)
         response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
@@ -154,5 +156,5 @@ def test_internal_errors_hide_their_text(server):
         assert failure["error"]["message"].startswith(error["message"][:-1])  # + the request id
         assert "NoneType" not in streamed.text
     finally:
-        server.app.state.tokens = tokens
+        lifecycle.serving = serving
     assert wait_idle(server) == IDLE

@@ -149,7 +149,7 @@ def test_a_client_that_stops_reading_is_cut_and_its_requests_aborted(server, cap
     with caplog.at_level(logging.INFO), _connect(server, SO_RCVBUF=4096) as client:
         client.sendall(_head(Content_Length=str(len(payload))) + payload)
         deadline = time.monotonic() + ACT_WITHIN_S
-        while server.app.state.counters.num_stream_stalls == 0:
+        while server.state.counters.num_stream_stalls == 0:
             assert time.monotonic() < deadline, "the stalled stream was never cut"
             time.sleep(0.05)
         assert wait_idle(server) == IDLE  # aborted, every KV block back

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-import server.tokenization as tokenization
+import server.prompt_tokenizer as prompt_tokenizer_module
 from engine.text.tokenizer import apply_chat_template
 from server.app import create_app
 from tests.e2e.conftest import IDLE, LiveServer, live_server, tiny_settings, wait_idle
@@ -39,13 +39,13 @@ def _chat(base_url: str, **extra: Any) -> httpx.Response:
 
 def test_each_thread_tokenises_with_its_own_tokenizer(server, monkeypatch):
     seen: list[tuple[threading.Thread, Any]] = []
-    render = tokenization.apply_chat_template
+    render = prompt_tokenizer_module.apply_chat_template
 
     def recording(tokenizer: Any, messages: Any, **kwargs: Any) -> list[int]:
         seen.append((threading.current_thread(), tokenizer))
         return render(tokenizer, messages, **kwargs)
 
-    monkeypatch.setattr(tokenization, "apply_chat_template", recording)
+    monkeypatch.setattr(prompt_tokenizer_module, "apply_chat_template", recording)
     assert _chat(server.base_url).status_code == 200
     assert _chat(server.base_url).status_code == 200
 
@@ -56,8 +56,8 @@ def test_each_thread_tokenises_with_its_own_tokenizer(server, monkeypatch):
     assert thread is thread_again and tokenizer is tokenizer_again  # one worker, one copy
     assert thread is not server.thread and thread is not engine_thread
     assert tokenizer is not engine_tokenizer
-    assert tokenizer is not server.app.state.tokens.tokenizer  # the loop's token texts
-    assert server.app.state.tokens.tokenizer is not engine_tokenizer
+    assert tokenizer is not server.serving.token_decoder.tokenizer  # the loop's token texts
+    assert server.serving.token_decoder.tokenizer is not engine_tokenizer
     # The copy renders the same ids as the engine's tokenizer.
     assert render(tokenizer, HELLO) == render(engine_tokenizer, HELLO)
 
@@ -66,13 +66,13 @@ def test_the_loop_serves_while_a_prompt_is_being_tokenised(server, monkeypatch):
     # The tokenisation waits until /health has answered: on the event loop it would hold the
     # loop, /health could not answer and the request would time out.
     health_answered = threading.Event()
-    render = tokenization.apply_chat_template
+    render = prompt_tokenizer_module.apply_chat_template
 
     def waiting(tokenizer: Any, messages: Any, **kwargs: Any) -> list[int]:
         assert health_answered.wait(20), "/health did not answer during the tokenisation"
         return render(tokenizer, messages, **kwargs)
 
-    monkeypatch.setattr(tokenization, "apply_chat_template", waiting)
+    monkeypatch.setattr(prompt_tokenizer_module, "apply_chat_template", waiting)
     result: dict[str, httpx.Response] = {}
     chat = threading.Thread(target=lambda: result.update(chat=_chat(server.base_url)))
     chat.start()

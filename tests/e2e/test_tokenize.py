@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-import server.tokenization as tokenization
+import server.prompt_tokenizer as prompt_tokenizer_module
 from engine.text.tokenizer import apply_chat_template, encode_text
 from server.app import create_app
 from tests.conftest import build_tiny_model
@@ -95,7 +95,7 @@ def test_round_trips(http):
 
 def test_the_work_runs_on_the_prompt_tokenizer_thread(keyed, http, monkeypatch):
     seen: list[tuple[str, threading.Thread, Any]] = []
-    render, decode = tokenization.apply_chat_template, tokenization._decode
+    render, decode = prompt_tokenizer_module.apply_chat_template, prompt_tokenizer_module._decode
 
     def rendering(tokenizer: Any, *args: Any) -> list[int]:
         seen.append(("render", threading.current_thread(), tokenizer))
@@ -105,14 +105,14 @@ def test_the_work_runs_on_the_prompt_tokenizer_thread(keyed, http, monkeypatch):
         seen.append(("decode", threading.current_thread(), tokenizer))
         return decode(tokenizer, ids)
 
-    monkeypatch.setattr(tokenization, "apply_chat_template", rendering)
-    monkeypatch.setattr(tokenization, "_decode", decoding)
+    monkeypatch.setattr(prompt_tokenizer_module, "apply_chat_template", rendering)
+    monkeypatch.setattr(prompt_tokenizer_module, "_decode", decoding)
     ids = _ok(http.post("/tokenize", json={"messages": HELLO}))["tokens"]
     _ok(http.post("/detokenize", json={"tokens": ids}))
     engine_tokenizer, engine_thread = keyed.call(
         lambda engine: (engine.tokenizer, threading.current_thread())
     )
-    prompt_tokenizer = keyed.app.state.prompt_tokenizer._tokenizer
+    prompt_tokenizer = keyed.serving.prompt_tokenizer._tokenizer
     assert [name for name, _, _ in seen] == ["render", "decode"]
     for _, thread, tokenizer in seen:
         assert thread is not keyed.thread and thread is not engine_thread  # not the loop's

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
+from server.app import create_app
 from server.cli import build_parser
 from server.connections import TimedH11Protocol, uvicorn_config
 from server.errors import OpenAIError
-from server.metrics import ServerCounters
 from server.middleware import BodyLimitMiddleware
 from server.settings import load_settings
+from server.state import server_state
 
 
 def test_cli_settings_reach_the_uvicorn_protocol():
@@ -22,14 +23,11 @@ def test_cli_settings_reach_the_uvicorn_protocol():
     settings = load_settings(None, args, environ={})
     assert (settings.body_timeout, settings.max_drained_body_bytes) == (3.0, 64 << 20)
 
-    class App:
-        class state:  # noqa: N801 - stands for FastAPI's app.state
-            counters = ServerCounters()
-
-    config = uvicorn_config(App(), settings, port=0)
+    app = create_app(settings)  # builds its state; nothing loads before its lifespan starts
+    config = uvicorn_config(app, settings, port=0)
     assert issubclass(config.http, TimedH11Protocol)
     assert (config.http.header_timeout, config.http.stall_timeout) == (1.5, 2.0)
-    assert config.http.counters is App.state.counters
+    assert config.http.counters is server_state(app).counters
     with pytest.raises(ValueError, match="stream_stall_timeout"):
         load_settings(None, {"model": "m", "stream_stall_timeout": 0}, environ={})
 

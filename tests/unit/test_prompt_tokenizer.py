@@ -11,7 +11,7 @@ import pytest
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
-from server.tokenization import PromptTokenizer
+from server.prompt_tokenizer import PromptTokenizer
 from tests.tiny_tokenizers import CHATML_SPECIALS, SAMPLE_CORPUS, byte_level_bpe
 from tests.unit.test_chat_template import CHAT_TEMPLATE
 

@@ -14,6 +14,7 @@ from engine.policy import setup
 from engine.policy.step_time import StepTimeModel
 from server.app import create_app
 from server.settings import Settings
+from server.state import server_state
 
 _PHASE = re.compile(r"startup: (.+) (\d+\.\d) s")
 
@@ -84,17 +85,18 @@ def test_server_logs_ready_in_from_the_start(tiny_llama, caplog):
     kernels.cpu_kernels()  # loaded before, as the CLI's settings resolution does
     settings = Settings(model=str(tiny_llama), dtype="float32", num_kv_blocks=32)
     app = create_app(settings, started=time.monotonic() - 30.0)  # the command began 30 s ago
+    state = server_state(app)
 
     async def start_then_stop() -> None:
         async with app.router.lifespan_context(app):
             deadline = time.monotonic() + 60
-            while app.state.async_engine is None and app.state.load_error is None:
+            while state.serving is None and state.lifecycle.load_error is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
 
     with caplog.at_level(logging.INFO):
         asyncio.run(start_then_stop())
-    assert app.state.load_error is None
+    assert state.lifecycle.load_error is None
     messages = [r.getMessage() for r in caplog.records if r.name == "engine.runtime.startup"]
     ready = [m for m in messages if m.startswith("ready in ")]
     assert len(ready) == 1 and messages[-1] == ready[0]

@@ -9,9 +9,9 @@ import pytest
 
 from engine.core.counters import SpecStats
 from server import errors
+from server.response_bodies import ModelCard, ModelList
 from server.response_builders import build_chat_response, build_completion_response
-from server.responses import ModelCard, ModelList
-from server.token_text import TextOffsets, TokenDecoder
+from server.token_bytes import TextOffsets, TokenDecoder
 from tests.unit.protocol.helpers import (
     CMPL_META,
     META,

@@ -11,7 +11,7 @@ import pytest
 from engine.core.counters import SpecStats
 from engine.outputs import RequestOutput
 from server.response_builders import ChatStream, CompletionStream, usage_of
-from server.token_text import TextOffsets, TokenDecoder
+from server.token_bytes import TextOffsets, TokenDecoder
 from tests.unit.protocol.helpers import (
     CMPL_META,
     META,

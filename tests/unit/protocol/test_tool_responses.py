@@ -14,7 +14,7 @@ import pytest
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from server.response_builders import ChatStream, build_chat_response
-from server.token_text import TokenDecoder
+from server.token_bytes import TokenDecoder
 from server.tool_parsers import get_parser
 from server.tool_parsers.base import NamedCallParser
 from tests.unit.protocol.helpers import META, check_body

@@ -5,8 +5,9 @@ on the asyncio loop they would stall every stream the server is sending, and don
 they would stall every request's next step. `PromptTokenizer` runs them on a thread of its own.
 A Rust tokenizer is never shared between threads: the engine thread keeps the tokenizer it
 loaded (its detokenizer), and each user here gets its own copy, made at start-up before the
-engine thread runs (`copies`). The /tokenize and /detokenize endpoints (`server/tokenize_routes.py`)
-run on the same thread, so the ids they report are the generation endpoints' own.
+engine thread runs (`copies`). The /tokenize and /detokenize endpoints
+(`server/routes/tokenize.py`) run on the same thread, so the ids they report are the generation
+endpoints' own.
 """
 
 from __future__ import annotations

@@ -22,14 +22,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from server.async_engine import AsyncEngine
 from server.engine_inputs import messages_of
 from server.errors import from_validation_error, from_value_error, invalid_request, model_not_found
+from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import ChatMessage
 from server.request_checks import fail
-from server.routes import json_body
-from server.streaming import engine_unavailable
-from server.tokenization import PromptTokenizer
+from server.routes.json_bodies import json_body, json_response
+from server.state import ServerState, server_state
 
 tokenize_router = APIRouter()
 _OURS = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -84,8 +83,9 @@ RequestT = TypeVar("RequestT", TokenizeRequest, DetokenizeRequest)
 
 @tokenize_router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
-    req = await _parse(request, TokenizeRequest)
-    tokenizer, max_model_len = _tokenizer(request)
+    state = server_state(request.app)
+    req = await _parse(request, state, TokenizeRequest)
+    tokenizer, max_model_len = _tokenizer(state)
     try:
         if req.messages is not None:
             ids = await tokenizer.tokenize_chat(
@@ -99,43 +99,36 @@ async def tokenize(request: Request) -> Response:
             ids = await tokenizer.tokenize_text(req.prompt, add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise from_value_error(e, TokenizeRequest.model_fields) from None
-    return _json(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
 
 
 @tokenize_router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    req = await _parse(request, DetokenizeRequest)
-    tokenizer, _ = _tokenizer(request)
+    state = server_state(request.app)
+    req = await _parse(request, state, DetokenizeRequest)
+    tokenizer, _ = _tokenizer(state)
     try:
         text = await tokenizer.detokenize(req.tokens)
     except ValueError as e:
         raise from_value_error(e, DetokenizeRequest.model_fields) from None
-    return _json(DetokenizeResponse(prompt=text))
+    return json_response(DetokenizeResponse(prompt=text))
 
 
-async def _parse(request: Request, model: type[RequestT]) -> RequestT:
+async def _parse(request: Request, state: ServerState, model: type[RequestT]) -> RequestT:
     """The validated body (400 otherwise), naming the served model or none (404 otherwise)."""
     try:
         req = model.model_validate_json(await json_body(request))
     except ValidationError as e:
         raise from_validation_error(e) from None
-    if req.model is not None and req.model != request.app.state.settings.model_name:
+    if req.model is not None and req.model != state.settings.model_name:
         raise model_not_found(req.model)
     return req
 
 
-def _tokenizer(request: Request) -> tuple[PromptTokenizer, int]:
+def _tokenizer(state: ServerState) -> tuple[PromptTokenizer, int]:
     """The served model's prompt tokenizer and context length: 503 while no engine serves, 400
     for a model without a tokenizer."""
-    state = request.app.state
-    engine: AsyncEngine | None = state.async_engine
-    if engine is None or not engine.is_ready:
-        raise engine_unavailable()
-    tokenizer: PromptTokenizer | None = state.prompt_tokenizer
-    if tokenizer is None:
+    serving = state.ready()
+    if serving.prompt_tokenizer is None:
         raise invalid_request("this model has no tokenizer, so it cannot tokenize or detokenize.")
-    return tokenizer, engine.engine.max_model_len
-
-
-def _json(body: BaseModel) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
+    return serving.prompt_tokenizer, serving.async_engine.engine.max_model_len

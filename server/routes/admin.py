@@ -2,13 +2,13 @@
 
 `GET /internal/engine-check` runs the block manager's integrity check on the engine thread,
 between two steps (`AsyncEngine.call`), and answers its counts: 200 with `"ok": true`, or 500
-with `"ok": false` and the broken invariant. bench/reliability.py asks it after its churn, soak
+with `"ok": false` and the broken invariant. bench/reliability/ asks it after its churn, soak
 and fuzz; an operator can ask it of a live server.
 
 `GET /internal/speculation` answers the policy's mode; `PUT` with `{"mode": "off" | "always" |
 "auto"}` switches it from the next step on, keeping what the policy has learned (auto only where
 the server started in auto: it needs the step-time model calibrated then). An operator can turn
-speculation off without a restart; bench/policy.py compares the modes on one warm server.
+speculation off without a restart; bench/policy/ compares the modes on one warm server.
 `POST /internal/reset-prefix-cache` forgets the cached prefixes no request holds (as vLLM's
 `/reset_prefix_cache`), so that a measurement starts from a cold cache.
 
@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.engine import LLMEngine
 from server.async_engine import AsyncEngine, EngineDeadError
-from server.errors import invalid_request, not_found
-from server.streaming import engine_unavailable
+from server.errors import engine_unavailable, invalid_request, not_found
+from server.state import server_state
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,10 +78,10 @@ def check_engine(engine: LLMEngine) -> EngineCheck:
 
 def _operator_engine(request: Request) -> AsyncEngine:
     """The live engine, for a request that came with the API key (404 where there is none)."""
-    state = request.app.state
+    state = server_state(request.app)
     if not state.settings.api_key:
         raise not_found(f"No route {request.method} {request.url.path}.")
-    engine: AsyncEngine | None = state.async_engine
+    engine = state.async_engine
     if engine is None or not engine.is_alive:
         raise engine_unavailable()
     return engine

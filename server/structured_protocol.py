@@ -1,27 +1,23 @@
-"""`response_format`: plain text, any JSON object, or an instance of a JSON schema (OpenAI's
-`ResponseFormatText`, `ResponseFormatJsonObject`, `ResponseFormatJsonSchema`), and the engine's
-`StructuredOutput` for it.
+"""Structured outputs in request bodies, the `response_format` field: plain text, any JSON
+object, or an instance of a JSON schema (OpenAI's `ResponseFormatText`, `ResponseFormatJsonObject`,
+`ResponseFormatJsonSchema`), and the engine's `StructuredOutput` for it. `server/protocol.py`
+declares the field with this type.
 
 Accepted on both endpoints (on /v1/completions as an extension, as vLLM does). A json_schema
 without `schema` means any JSON object. `strict` is accepted either way: the output always
 matches the schema exactly (no keys beyond its properties unless it allows them), which is what
 strict asks for. Whether the grammar library can use a schema is checked when the server compiles
-it (`GrammarWorker`), still a 400 before anything runs.
+it (`server/grammar_worker.py`), still a 400 before anything runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutput
-from engine.structured.compiler import GrammarCompiler
-from server.errors import OpenAIError, invalid_request
 from server.request_checks import fail
 
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
@@ -63,29 +59,3 @@ class ResponseFormat(BaseModel):
                 return StructuredOutput.json_object()
             return StructuredOutput.json_schema(json.dumps(schema, ensure_ascii=False))
         return None
-
-
-class GrammarWorker:
-    """Compiles requests' constraints on a thread of its own: never on the asyncio loop (a big
-    schema takes seconds) and never on the engine thread, which then finds it in the compiler's
-    cache. One thread: a client sending huge schemas queues behind itself, not ahead of
-    tokenisation."""
-
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self._compiler = compiler
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-
-    async def compile(self, structured: StructuredOutput, param: str = "response_format") -> None:
-        """Compile (or find cached); a constraint the grammar library cannot use is a 400."""
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._pool, self._compiler.compile, structured, param)
-        except InvalidRequestError as e:
-            raise _invalid(e) from None
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _invalid(e: InvalidRequestError) -> OpenAIError:
-    return invalid_request(str(e), e.param, code="invalid_schema")

@@ -1,4 +1,5 @@
-"""The HTTP routes: validate, hand the request to the engine, answer with JSON or an SSE stream.
+"""The OpenAI generation routes, POST /v1/chat/completions and /v1/completions: validate, hand
+the request to the engine, answer with JSON or an SSE stream.
 
 Every failure before a response starts is an `OpenAIError` (one handler in `server/app.py` turns
 it into the envelope): a bad body 400, another model 404, a full queue 429, an engine that does
@@ -10,16 +11,13 @@ A client that goes away while its request waits or runs aborts the request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.metadata
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from fastapi.responses import Response
 from starlette.types import Receive
 
 from engine.outputs import RequestOutput
@@ -27,12 +25,12 @@ from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from server.engine_inputs import prediction_of, prompt_of, to_sampling_params, wants_spec_stats
 from server.errors import (
+    engine_unavailable,
     from_value_error,
     invalid_request,
     model_not_found,
     server_overloaded,
 )
-from server.metrics import CONTENT_TYPE, read_snapshot, render
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, unknown_fields
 from server.request_limits import check_requested_tokens
 from server.response_builders import (
@@ -42,22 +40,14 @@ from server.response_builders import (
     build_chat_response,
     build_completion_response,
 )
-from server.response_format import GrammarWorker
-from server.responses import ModelCard, ModelList
-from server.streaming import (
-    EngineStreams,
-    SSEResponse,
-    TokenSplitter,
-    aborted_error,
-    engine_unavailable,
-    stream_events,
-)
-from server.tokenization import PromptTokenizer
+from server.routes.json_bodies import json_body, json_response
+from server.state import ServerState, Serving, server_state
+from server.streaming import EngineStreams, SSEResponse, TokenSplitter, aborted_error, stream_events
 from server.tool_calls import tool_use
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+generation_router = APIRouter()
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 RETRY_AFTER_S = 1.0
@@ -67,81 +57,26 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("specserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-# --------------------------------------------------------------------------- public routes
-
-
-@router.get("/health")
-async def health(request: Request) -> Response:
-    """200 while the engine serves; 503 while it loads, after it failed, or while stopping."""
-    state = request.app.state
-    engine: AsyncEngine | None = state.async_engine
-    if engine is not None and engine.is_ready:
-        return JSONResponse({"status": "ok"})
-    if state.load_error is not None:
-        status = "failed"
-    else:
-        status = "loading" if engine is None else "unavailable"
-    return JSONResponse({"status": status}, status_code=503)
-
-
-@router.get("/version")
-async def get_version() -> Response:
-    return JSONResponse({"version": version()})
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    state = request.app.state
-    engine: AsyncEngine | None = state.async_engine
-    if engine is not None and engine.is_alive:
-        with contextlib.suppress(EngineDeadError):  # then export the last snapshot
-            state.metrics_collector.update(await engine.call(read_snapshot))
-    return Response(render(state.metrics_registry), media_type=CONTENT_TYPE)
-
-
-# --------------------------------------------------------------------------- OpenAI routes
-
-
-@router.get("/v1/models")
-async def list_models(request: Request) -> Response:
-    body = ModelList(data=[_model_card(request)]).model_dump_json(exclude_none=True)
-    return Response(body, media_type="application/json")
-
-
-@router.get("/v1/models/{model_id:path}")
-async def get_model(request: Request, model_id: str) -> Response:
-    if model_id != request.app.state.settings.model_name:
-        raise model_not_found(model_id)
-    body = _model_card(request).model_dump_json(exclude_none=True)
-    return Response(body, media_type="application/json")
-
-
-@router.post("/v1/chat/completions")
+@generation_router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = request.app.state
-    req = await _parse(request, ChatCompletionRequest)
-    engine = _serving_engine(request)
-    params = _sampling_params(request, req)
-    tokenizer: PromptTokenizer | None = state.prompt_tokenizer
+    state = server_state(request.app)
+    req = await _parse(request, state, ChatCompletionRequest)
+    serving = state.ready()
+    engine = serving.async_engine
+    params = _sampling_params(serving, req)
+    tokenizer = serving.prompt_tokenizer
     if tokenizer is None:
         raise invalid_request("this model has no tokenizer: use /v1/completions.", "messages")
-    tools = tool_use(req, state.tool_parser)
+    tools = tool_use(req, serving.tool_parser)
     if tools.structured is not None:
         params = replace(params, structured=tools.structured)
-    await _compile(request, params, "tools" if tools.structured else "response_format")
+    await _compile(serving, params, "tools" if tools.structured else "response_format")
     try:
         prompt_ids = await tokenizer.chat(prompt_of(req), tools.template_tools)
     except ValueError as e:
         raise from_value_error(e, ChatCompletionRequest.model_fields) from None
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    _check_tokens(request, engine, params, [len(prompt_ids)], given)
+    _check_tokens(state, engine, params, [len(prompt_ids)], given)
     predicted_text = prediction_of(req)
     prediction = None
     if predicted_text:
@@ -149,54 +84,48 @@ async def chat_completions(request: Request) -> Response:
     meta = ResponseMeta.new("chatcmpl", state.settings.model_name)
     streams = await _open(request, engine, [meta.id], [prompt_ids], params, prediction)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
+    tokens = serving.token_decoder
     if req.stream:
         builder = ChatStream(
-            meta, state.tokens, _include_usage(req), spec_stats, tool_parser=tools.parser
+            meta, tokens, _include_usage(req), spec_stats, tool_parser=tools.parser
         )
-        return SSEResponse(stream_events(streams, builder, _splitter(request)))
+        return SSEResponse(stream_events(streams, builder, _splitter(state, serving)))
     (output,) = await _final(request, streams)
-    return _json(build_chat_response(meta, output, state.tokens, spec_stats, tools.parser))
+    return json_response(build_chat_response(meta, output, tokens, spec_stats, tools.parser))
 
 
-@router.post("/v1/completions")
+@generation_router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = request.app.state
-    req = await _parse(request, CompletionRequest)
-    engine = _serving_engine(request)
-    params = _sampling_params(request, req)
-    await _compile(request, params)
-    prompts = prompt_of(req)
+    state = server_state(request.app)
+    req = await _parse(request, state, CompletionRequest)
+    serving = state.ready()
+    engine = serving.async_engine
+    params = _sampling_params(serving, req)
+    await _compile(serving, params)
+    prompts: Sequence[str | Sequence[int]] = prompt_of(req)
     # Completions always have a max_tokens: counting them needs no prompt length.
-    _check_tokens(request, engine, params, [0] * len(prompts), "max_tokens")
-    if state.prompt_tokenizer is not None:  # else the engine says text needs a tokenizer
-        prompts = await state.prompt_tokenizer.texts(prompts)
+    _check_tokens(state, engine, params, [0] * len(prompts), "max_tokens")
+    if serving.prompt_tokenizer is not None:  # else the engine says text needs a tokenizer
+        prompts = await serving.prompt_tokenizer.texts(prompts)
     meta = ResponseMeta.new("cmpl", state.settings.model_name)
     ids = [meta.id] if len(prompts) == 1 else [f"{meta.id}-{i}" for i in range(len(prompts))]
     streams = await _open(request, engine, ids, prompts, params, None)
     spec_stats = wants_spec_stats(req, state.settings.speculation_stats)
+    tokens = serving.token_decoder
     if req.stream:
-        builder = CompletionStream(meta, state.tokens, params.n, _include_usage(req), spec_stats)
-        return SSEResponse(stream_events(streams, builder, _splitter(request)))
+        builder = CompletionStream(meta, tokens, params.n, _include_usage(req), spec_stats)
+        return SSEResponse(stream_events(streams, builder, _splitter(state, serving)))
     outputs = await _final(request, streams)
-    return _json(build_completion_response(meta, outputs, state.tokens, spec_stats))
+    return json_response(build_completion_response(meta, outputs, tokens, spec_stats))
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-async def json_body(request: Request) -> bytes:
-    """The raw body, once its Content-Type says JSON (a body without one is taken as JSON)."""
-    content_type = request.headers.get("content-type")
-    if content_type is not None and not _is_json(content_type):
-        message = f"Content-Type must be application/json, got {content_type!r}."
-        raise invalid_request(message, code="invalid_content_type")
-    return await request.body()
-
-
-async def _parse(request: Request, model: type[RequestT]) -> RequestT:
+async def _parse(request: Request, state: ServerState, model: type[RequestT]) -> RequestT:
     """The validated body: JSON object of the endpoint's schema, for the served model."""
-    req = parse_request(model, await json_body(request), request.app.state.limits)
-    if req.model != request.app.state.settings.model_name:
+    req = parse_request(model, await json_body(request), state.limits)
+    if req.model != state.settings.model_name:
         raise model_not_found(req.model)
     extra = unknown_fields(req)
     if extra:
@@ -204,22 +133,10 @@ async def _parse(request: Request, model: type[RequestT]) -> RequestT:
     return req
 
 
-def _is_json(content_type: str) -> bool:
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    return media_type == "application/json" or media_type.endswith("+json")
-
-
-def _serving_engine(request: Request) -> AsyncEngine:
-    engine: AsyncEngine | None = request.app.state.async_engine
-    if engine is None or not engine.is_ready:
-        raise engine_unavailable()
-    return engine
-
-
 def _sampling_params(
-    request: Request, req: ChatCompletionRequest | CompletionRequest
+    serving: Serving, req: ChatCompletionRequest | CompletionRequest
 ) -> SamplingParams:
-    defaults = request.app.state.generation_defaults  # the model's (server/app.py)
+    defaults = serving.generation_defaults  # the model's (server/app.py)
     try:
         return to_sampling_params(req, default_max_tokens=None, defaults=defaults)
     except ValueError as e:
@@ -227,20 +144,20 @@ def _sampling_params(
 
 
 async def _compile(
-    request: Request, params: SamplingParams, param: str = "response_format"
+    serving: Serving, params: SamplingParams, param: str = "response_format"
 ) -> None:
     """A request's structured-output grammar, compiled off the loop and the engine thread;
     `param` is the field that asked for it (a 400 names it)."""
     if params.structured is None:
         return
-    worker: GrammarWorker | None = request.app.state.grammar_worker
+    worker = serving.grammar_worker
     if worker is None:
         raise invalid_request("this model has no tokenizer: no structured outputs.", param)
     await worker.compile(params.structured, param)
 
 
 def _check_tokens(
-    request: Request,
+    state: ServerState,
     engine: AsyncEngine,
     params: SamplingParams,
     prompt_lens: Sequence[int],
@@ -248,7 +165,7 @@ def _check_tokens(
 ) -> None:
     """400 when the request may generate more tokens than `max_tokens_per_request` allows."""
     check_requested_tokens(
-        request.app.state.limits,
+        state.limits,
         engine.engine.max_model_len,
         n=params.n,
         max_tokens=params.max_tokens,
@@ -261,9 +178,13 @@ def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(req.stream_options is not None and req.stream_options.include_usage)
 
 
-def _splitter(request: Request) -> TokenSplitter | None:
-    state = request.app.state
-    return TokenSplitter(state.tokens) if state.settings.stream_one_token_per_chunk else None
+def _splitter(state: ServerState, serving: Serving) -> TokenSplitter | None:
+    """One chunk per token when the settings ask for it; a model served without a tokenizer has
+    no token texts to split by, so its chunks stay one per step."""
+    tokens = serving.token_decoder
+    if not state.settings.stream_one_token_per_chunk or tokens is None:
+        return None
+    return TokenSplitter(tokens)
 
 
 async def _open(
@@ -324,14 +245,3 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 async def _wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _model_card(request: Request) -> ModelCard:
-    state = request.app.state
-    engine = state.async_engine
-    quantization = getattr(engine.engine, "quantization", None) if engine is not None else None
-    return ModelCard(id=state.settings.model_name, created=state.created, quantization=quantization)
-
-
-def _json(body: BaseModel, status: int = 200) -> Response:
-    return Response(body.model_dump_json(), status_code=status, media_type="application/json")

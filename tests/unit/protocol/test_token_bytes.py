@@ -9,7 +9,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from server.streaming import TokenSplitter
-from server.token_text import TextOffsets, TokenDecoder
+from server.token_bytes import TextOffsets, TokenDecoder
 from tests.tiny_tokenizers import llama_byte_fallback
 from tests.unit.protocol.helpers import CORPUS, TEXT, delta_between, make_output, train_byte_level
 
