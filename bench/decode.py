@@ -7,7 +7,7 @@ Decode cost per token is isolated from the prompt by timing a 1-token and an N-t
 of the same prompt: (t_N - t_1) / (N - 1). Each bandwidth bound is the weight bytes that format
 reads per token divided by the memory read bandwidth measured here.
 
-    python bench/decode.py [--model NAME] [--tokens 64] [--rounds 3] [--quantization none,gguf]
+    python -m bench.decode [--model NAME] [--tokens 64] [--rounds 3] [--quantization none,gguf]
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.text.tokenizer import apply_chat_template  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.text.tokenizer import apply_chat_template
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
@@ -87,7 +84,9 @@ def time_transformers(model, prompt_ids: list[int], num_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decode", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=64)

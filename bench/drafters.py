@@ -9,7 +9,7 @@ runs; always: the drafter's acceptance with the policy out of the way). A cell (
 concurrency) runs on every engine in turn, --rounds times with the order rotated, so that a
 host whose speed drifts over minutes (single runs on a shared 2-core host differ by 10%) moves
 every drafter alike: --requests greedy requests (at least c), --max-tokens long, drawn
-round-robin from the workload (bench/policy_workload.py: code_edit, copy, open_chat, code_gen),
+round-robin from the workload (bench/policy/workload.py: code_edit, copy, open_chat, code_gen),
 c held in flight, every prompt in each engine's prefix cache first.
 
 Reported per cell: generated tokens/s over the cell, mean acceptance length (tokens a verify step
@@ -17,7 +17,7 @@ emits: accepted drafts + 1, over the steps that verified drafts), the acceptance
 seconds per draft token, the policy's decisions by reason, and how many answers equal
 speculation-off's token for token (off must run first for that).
 
-    python bench/drafters.py --head DIR [--head-quantization q8_0|q6_k] [--config FILE]
+    python -m bench.drafters --head DIR [--head-quantization q8_0|q6_k] [--config FILE]
         [--drafters off,ngram,draft_model,eagle3] [--workloads code_edit,copy,open_chat]
         [--concurrency 1,4,16] [--requests 4] [--max-tokens 64] [--rounds 2] [--mode auto]
         [--out FILE]
@@ -35,17 +35,14 @@ from typing import Any
 
 import yaml
 
+from bench.common.processes import cpu_isa, host
+from bench.policy import workload as policy_workload
+from bench.policy.offline import decisions_since
+from engine import LLM, SamplingParams
+from engine.outputs import OutputAccumulator
+from engine.text.tokenizer import apply_chat_template
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import policy_workload  # noqa: E402
-from policy_offline import decisions_since  # noqa: E402
-from processes import cpu_isa, host  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.outputs import OutputAccumulator  # noqa: E402
-from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.drafters")
 WORKLOADS = {**policy_workload.WORKLOADS, "copy": policy_workload.copy_prompts}
@@ -190,7 +187,9 @@ def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.drafters", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--head", help="an EAGLE-3 head directory (for the eagle3 drafters)")
     parser.add_argument("--head-dtype", help="the head's dense dtype (default: blocks)")

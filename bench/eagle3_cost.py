@@ -11,7 +11,7 @@ carries its catch-up, the head's is one token at the last kept position) and, fo
 extend after each target step (its K/V only). All of it over all draft tokens is the second
 figure: what a draft token costs in all.
 
-    python bench/eagle3_cost.py [--config configs/default.yaml] [--tokens 128]
+    python -m bench.eagle3_cost [--config configs/default.yaml] [--tokens 128]
         [--draft-vocab 32000] [--head-dtype bfloat16 | --head-quantization q8_0|q6_k] [--head DIR]
         [--out FILE]
 """
@@ -29,15 +29,12 @@ from typing import Any
 
 import yaml
 
+from bench.common.processes import cpu_isa, host
+from engine import LLM, SamplingParams
+from engine.models.bundled import resolve_model
+from engine.models.config import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from processes import cpu_isa, host  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.bundled import resolve_model  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
 
 logger = logging.getLogger("bench.eagle3_cost")
 
@@ -118,7 +115,9 @@ def measure(engine_args: dict[str, Any], spec: dict[str, Any], tokens: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.eagle3_cost", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5)

@@ -3,7 +3,7 @@
 Decode and verify steps are products of a few rows with large weights, so their speed is the
 weight bandwidth. The weights of all 28 layers of Qwen2.5-Coder-1.5B's shapes are cycled through
 so nothing sits in cache. Compared: our AVX2 kernel (engine/kernels, what
-`engine.models.llama.linear` uses at any number of rows where it builds, so that a row's result
+`engine.models.linears.linear` uses at any number of rows where it builds, so that a row's result
 does not depend on what shares its step), F.linear (x @ W.T), torch.mv (one row), weight @ x.T
 (the weight as the left operand) and float32 GEMMs over converted weight chunks
 (`f32_chunked_linear`, not batch-invariant, shown for what invariance costs in prefill chunks,
@@ -17,9 +17,9 @@ has AVX-512, in the form this process takes (two rows per 16-lane register from 
 (`gguf_activations: int8`) and the dequantised-chunks route of prefills, with what r rows cost
 in passes of 1 row.
 
-    python bench/kernels.py [--rows 1 2 4 9 16 64 256]
-    python bench/kernels.py --gguf [--rows 1 2 4 8 12 16]
-    python bench/kernels.py --gguf --int8 [--rows 1 2 4 6 8 12 16 64 256]
+    python -m bench.kernels [--rows 1 2 4 9 16 64 256]
+    python -m bench.kernels --gguf [--rows 1 2 4 8 12 16]
+    python -m bench.kernels --gguf --int8 [--rows 1 2 4 6 8 12 16 64 256]
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.kernels import (  # noqa: E402
+from engine.kernels import (
     cpu_kernels,
     dequantized_chunks_linear,
     f32_chunked_linear,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 # (out, in) of the fused qkv, o, fused gate/up and down projections of one layer.
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
 NUM_LAYERS = 28
@@ -130,8 +129,10 @@ def gguf_main(rows_list: list[int], is_child: bool) -> None:
     kernels = cpu_kernels()
     assert kernels is not None, "the GGUF kernel needs our CPU kernels"
     env = {**os.environ, "SPECSERVE_CPU_ISA": "avx2"}
-    command = [sys.executable, __file__, "--gguf", "--child", "--rows", *map(str, rows_list)]
-    child = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    command = [sys.executable, "-m", "bench.kernels", "--gguf", "--child"]
+    command += ["--rows", *map(str, rows_list)]
+    # From the repository root, where `bench` is a package, wherever this process started.
+    child = subprocess.run(command, env=env, cwd=ROOT, check=True, capture_output=True, text=True)
     avx2 = {
         name: {int(k): v for k, v in by_rows.items()}
         for name, by_rows in json.loads(child.stdout.splitlines()[-1]).items()
@@ -178,7 +179,9 @@ def int8_main(rows_list: list[int]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernels", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rows", type=int, nargs="+")
     parser.add_argument(
         "--gguf", action="store_true", help="the GGUF block kernel, AVX2 and AVX-512"

@@ -9,7 +9,7 @@ prompts staggered (request i joins at step i * --stagger, so prompt chunks share
 other requests' decode and verify rows) and compares every output with the same prompt's
 output in mode `off` run alone. Mismatches are listed with the first differing position.
 
-    python bench/lossless.py [--config configs/default.yaml] [--max-tokens 256]
+    python -m bench.lossless [--config configs/default.yaml] [--max-tokens 256]
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ from typing import Any
 
 import yaml
 
+from bench.policy.workload import code_edit_prompts, code_gen_prompts, open_chat_prompts
+from engine import LLM, SamplingParams
+from engine.outputs import OutputAccumulator
+from engine.text.tokenizer import apply_chat_template
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from policy_workload import code_edit_prompts, code_gen_prompts, open_chat_prompts  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.outputs import OutputAccumulator  # noqa: E402
-from engine.text.tokenizer import apply_chat_template  # noqa: E402
 
 logger = logging.getLogger("bench.lossless")
 
@@ -90,7 +87,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.lossless", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--stagger", type=int, default=8, help="steps between arrivals")

@@ -9,7 +9,7 @@ a 1-token and an N-token generation of each prompt: (N - 1) / (t_N - t_1), prefi
 Reports decode tokens/s, the speedup over specserve's speculation-off, and the mean acceptance
 length (tokens emitted per verify step).
 
-    python bench/spec.py [--tokens 128] [--k 5] [--skip-transformers]
+    python -m bench.spec [--tokens 128] [--k 5] [--skip-transformers]
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.bundled import resolve_model  # noqa: E402
-from engine.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.models.bundled import resolve_model
+from engine.text.tokenizer import apply_chat_template, load_tokenizer
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -149,7 +146,9 @@ def run_transformers(prompts: dict[str, list[int]], tokens: dict[str, int], k: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.spec", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--tokens", type=int, default=128)
     for method, k in DEFAULT_K.items():
         parser.add_argument(

@@ -5,21 +5,18 @@ tokens for each (greedy, EOS ignored so every request does the same work); throu
 generated tokens over wall time, prefill included. The ratio to the single-request level shows
 how well continuous batching turns the memory-bound decode into shared weight reads.
 
-    python bench/throughput.py [--model NAME] [--tokens 64] [--levels 1 4 16]
+    python -m bench.throughput [--model NAME] [--tokens 64] [--levels 1 4 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.text.tokenizer import apply_chat_template  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.text.tokenizer import apply_chat_template
 
 TOPICS = [
     "binary search",
@@ -66,7 +63,9 @@ def run_level(llm: LLM, batch: list[list[int]], num_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.throughput", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=64)

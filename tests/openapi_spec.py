@@ -4,7 +4,7 @@ The spec is vendored in tests/data/openai/ (MIT, see its LICENSE and README);
 $SPECSERVE_OPENAPI points the tests at another copy. It is OpenAPI 3.1 with `nullable: true` in
 places; `to_json_schema` resolves `$ref`s and rewrites it.
 `strip_spec` cuts it to the two operations the server serves, for schemathesis
-(tests/e2e/test_schemathesis.py and bench/reliability_fuzz.py).
+(tests/e2e/test_schemathesis.py and bench/reliability/fuzz.py).
 """
 
 from __future__ import annotations

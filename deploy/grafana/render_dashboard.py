@@ -36,10 +36,11 @@ import yaml
 from dashboard_drawing import draw_dashboard, fill_variables
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+if str(ROOT) not in sys.path:  # run as a script: the bench package lies at the repository root
+    sys.path.insert(0, str(ROOT))
 
-from policy_workload import FUNCTIONS, OPEN_CHAT, code_edit_prompts  # noqa: E402
-from processes import free_port, running, wait_ready  # noqa: E402
+from bench.common.processes import free_port, running, wait_ready  # noqa: E402
+from bench.policy.workload import FUNCTIONS, OPEN_CHAT, code_edit_prompts  # noqa: E402
 
 logger = logging.getLogger("render_dashboard")
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specserve.json"

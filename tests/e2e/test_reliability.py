@@ -1,4 +1,4 @@
-"""bench/reliability.py at small scale, the same code paths against a real `specserve serve`
+"""bench/reliability/run.py at small scale, the same code paths against a real `specserve serve`
 subprocess over the tiny random-weight chat model: a churn of 60 streams at concurrency 8 with
 30% closed by the client at random moments and a 16-block KV pool that forces preemption; a
 15-second soak; 100 schemathesis cases, streaming included.
@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.unit.bench_scripts import load_reliability
+from bench.reliability import report as RR
+from bench.reliability import run as R
 
 pytest.importorskip("schemathesis")
-
-R, W, S, F, RR = load_reliability()
 
 
 @pytest.fixture(scope="module")

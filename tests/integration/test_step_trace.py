@@ -1,5 +1,5 @@
 """The step trace (SPECSERVE_STEP_TRACE): one line per engine step, agreeing with the engine's own
-counters; and bench/step_trace.py's summary of it per mode."""
+counters; and bench/policy/step_trace.py's summary of it per mode."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import json
 
 import pytest
 
+from bench.policy import step_trace
 from engine.sampling_params import SamplingParams
 from tests.conftest import ngram_llm
-from tests.unit.bench_scripts import load_bench_script
-
-(step_trace,) = load_bench_script("step_trace.py")
 
 # Token ids (the tiny model has no tokenizer) that repeat, so n-gram lookups find drafts.
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4]]

@@ -10,12 +10,10 @@ import json
 import pytest
 import yaml
 
+from bench import drafters
 from engine import LLM
 from tests.conftest import build_tiny_model
 from tests.eagle3_heads import build_tiny_eagle3_head
-from tests.unit.bench_scripts import load_bench_script
-
-(drafters,) = load_bench_script("drafters.py")
 
 BASE = {
     "method": "ngram+draft_model",

@@ -1,16 +1,14 @@
 """bench/eagle3_cost.py's random head is in the published format with the target's shapes (our
-loader takes it and drafts with it), and bench/policy_offline.py's run counts what it reports:
+loader takes it and drafts with it), and bench/policy/offline.py's run counts what it reports:
 every request's tokens, the decisions of every decoding step, drafts per source."""
 
 from __future__ import annotations
 
+from bench import eagle3_cost
+from bench.policy import offline as policy_offline
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from tests.conftest import build_tiny_model
-from tests.unit.bench_scripts import load_bench_script
-
-(eagle3_cost,) = load_bench_script("eagle3_cost.py")
-(policy_offline,) = load_bench_script("policy_offline.py")
 
 
 def test_the_random_head_loads_and_drafts(tmp_path) -> None:

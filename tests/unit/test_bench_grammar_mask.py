@@ -1,14 +1,12 @@
-"""bench/grammar_mask.py without a tokenizer or a model: the walk through a document (what it
-times, where it rolls back), the per-library summary and the table's ratios, over a fake
+"""bench/structured/grammar_mask.py without a tokenizer or a model: the walk through a document
+(what it times, where it rolls back), the per-library summary and the table's ratios, over a fake
 grammar library that accepts one token sequence."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.bench_scripts import load_bench_script
-
-(G,) = load_bench_script("grammar_mask.py")
+from bench.structured import grammar_mask as G
 
 
 class FakeLibrary:

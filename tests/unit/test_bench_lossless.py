@@ -3,11 +3,9 @@ whole, in prompt order, no leaked blocks) and the comparison it reports."""
 
 from __future__ import annotations
 
+from bench import lossless
 from engine import LLM, SamplingParams
 from tests.conftest import ngram_llm
-from tests.unit.bench_scripts import load_bench_script
-
-(lossless,) = load_bench_script("lossless.py")
 
 CONFIG = {
     "engine": {

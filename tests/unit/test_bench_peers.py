@@ -1,7 +1,6 @@
-"""bench/peers.py (with peers_process.py, peers_report.py) and bench/peers_setup.py without any
-peer, model or network: the stream-timing arithmetic, the concurrent-stream driver over a mock
-transport, the table and its ratios, the process-tree RSS, and each engine's exact command line
-and environment."""
+"""bench/peers/ (run.py, process.py, report.py and setup.py) without any peer, model or network:
+the stream-timing arithmetic, the concurrent-stream driver over a mock transport, the table and
+its ratios, the process-tree RSS, and each engine's exact command line and environment."""
 
 from __future__ import annotations
 
@@ -17,18 +16,18 @@ import httpx
 import pytest
 import yaml
 
-from tests.unit.bench_scripts import BENCH, load_bench_script
+from bench.peers import process as PP
+from bench.peers import report as PR
+from bench.peers import run as P
+from bench.peers import setup as S
+from bench.policy import measurements as M
+from bench.policy import workload as W
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-P, S, W, PP, PR = load_bench_script(
-    "peers.py", "peers_setup", "policy_workload", "peers_process", "peers_report"
-)
-
-
-def _result(times, tokens, error=None) -> W.RequestResult:
-    return W.RequestResult(0, tuple(times), tokens, times[-1] if times else 0.0, error=error)
+def _result(times, tokens, error=None) -> M.RequestResult:
+    return M.RequestResult(0, tuple(times), tokens, times[-1] if times else 0.0, error=error)
 
 
 # --------------------------------------------------------------------------- stream timing
@@ -107,10 +106,10 @@ def test_run_streams_sends_per_client_requests_with_ignore_eos():
     assert 0.08 <= wall < 2.0  # two rounds of 4 tokens at 10 ms, clients in parallel
 
 
-def test_spec_families_reuse_the_repo_prompts(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # bench/spec.py, imported when the bench runs
+def test_spec_families_reuse_the_repo_prompts():
     families = P.spec_families()
-    spec_prompts = sys.modules.pop("spec").WORKLOADS  # no `spec` left to shadow other tests
+    from bench.spec import WORKLOADS as spec_prompts  # imported by spec_families: torch
+
     assert set(families) == set(P.FAMILIES)
     assert families["code_edit"][0] == spec_prompts["code_edit"]
     assert families["code_edit"][1:] == W.code_edit_prompts()

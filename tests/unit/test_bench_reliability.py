@@ -1,4 +1,4 @@
-"""bench/reliability.py's pure parts: the request draw, one stream read against a mock transport
+"""bench/reliability/'s pure parts: the request draw, one stream read against a mock transport
 (completed, cut after k chunks, an error event, a stream without [DONE]), the solo comparison,
 the fuzz's body edits and the verdicts."""
 
@@ -10,9 +10,11 @@ import random
 
 import httpx
 
-from tests.unit.bench_scripts import load_reliability
-
-R, W, S, F, RR = load_reliability()
+from bench.reliability import fuzz as F
+from bench.reliability import report as RR
+from bench.reliability import run as R
+from bench.reliability import server as S
+from bench.reliability import workload as W
 
 
 def _sse(chunks: list[dict], done: bool = True) -> bytes:

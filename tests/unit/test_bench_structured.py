@@ -1,6 +1,7 @@
-"""bench/structured_workload.py (the cases of bench/grammar_mask.py and bench/structured.py):
-every reference object is valid against its schema, and its compact JSON is what the engine's
-grammar (xgrammar, the engine's separators, no other whitespace) accepts."""
+"""bench/structured/workload.py (the cases of bench/structured/grammar_mask.py and
+bench/structured/run.py): every reference object is valid against its schema, and its compact
+JSON is what the engine's grammar (xgrammar, the engine's separators, no other whitespace)
+accepts."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from tests.unit.bench_scripts import load_bench_script
-
-(W,) = load_bench_script("structured_workload.py")
+from bench.structured import report as R
+from bench.structured import workload as W
 
 
 def test_cases_are_distinct_and_their_references_match_their_schemas():
@@ -66,9 +66,7 @@ def test_messages_hold_the_instruction_the_schema_and_the_passage():
     assert W.canonical_json({"a": [1, "é"]}) == '{"a": [1, "é"]}'
 
 
-# --------------------------------------------------------------------------- bench/structured.py
-
-(R,) = load_bench_script("structured_report.py")
+# ----------------------------------------------------------------------- bench/structured/run.py
 
 SCHEMA = {
     "type": "object",

@@ -1,0 +1,1 @@
+"""What several benches share: child processes, servers, another checkout's engine, the host."""
