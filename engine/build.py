@@ -20,8 +20,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.drafters.registry import DrafterContext
 from engine.drafters.speculator import Speculator
-from engine.execution.cuda_graphs import draft_max_query_len
 from engine.execution.draft_runners import load_draft_runner
+from engine.execution.graph_buckets import draft_max_query_len
 from engine.execution.kv_plan import log_memory, plan_for, release_freed_heap
 from engine.execution.runner import ModelRunner
 from engine.kernels import cpu_kernels

@@ -1,6 +1,6 @@
 """Tiny random EAGLE-3 heads written straight in the published format (SpecForge's export, as
 vLLM and SGLang load it): config.json and model.safetensors with the published tensor names and
-shapes, made here from plain tensors and not through engine.models.eagle3, so the loader is
+shapes, made here from plain tensors and not through engine.models.eagle3.head, so the loader is
 checked against the format rather than against itself."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from scipy.stats import chi2
 
 from engine.outputs import OutputAccumulator
 from engine.sampling.reference import process_reference
-from engine.sampling.sampler import SamplingRow
+from engine.sampling.rows import SamplingRow
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

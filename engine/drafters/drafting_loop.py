@@ -31,9 +31,9 @@ from engine.core.drafts import Draft
 from engine.core.request import Request
 from engine.core.stats import DraftTiming
 from engine.execution.runner import ModelRunner
+from engine.sampling.rows import DRAFT_STREAM, sampling_row
 from engine.sampling.sampler import Sampler
 from engine.structured.masks import TokenMasks, mask_width, new_masks
-from engine.verification.verifier import DRAFT_STREAM, sampling_row
 
 # Drafts so far per drafting request: (token ids, their q rows [vocab_size] at temperature > 0).
 Drafted = dict[str, tuple[list[int], list[torch.Tensor]]]

@@ -63,7 +63,7 @@ class ExtendSpan:
 
 
 class Eagle3Proposer(ModelDrafter):
-    """Drafts with an EAGLE-3 head (engine.models.eagle3.Eagle3Head) run by its own runner."""
+    """Drafts with an EAGLE-3 head (engine.models.eagle3.head.Eagle3Head) run by its own runner."""
 
     name = "eagle3"
 

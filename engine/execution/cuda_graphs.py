@@ -42,37 +42,22 @@ this on CPU with a fake that re-runs the captured callable on replay.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from engine.attention.base import BatchLayout, flatten_step
+from engine.config import EngineConfig
+from engine.core.chunks import SeqChunk
+from engine.execution.graph_buckets import Bucket, choose_bucket, graph_sizes, verify_query_len
 from engine.models.llama import ForwardContext
-from engine.speculative_config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.core.chunks import SeqChunk
 
 logger = logging.getLogger(__name__)
-
-MAX_CAPTURE_TOKENS = 512
-# The attention backends whose forward can be captured (GraphableBackend), by name: what the
-# memory plan reserves a graph pool for before any backend is built.
-GRAPHABLE_BACKENDS = ("flash_attn", "triton")
-
-
-# A draft model's first forward of a step gives a drafting request the tokens the draft has not
-# seen: its last token and the bonus after a full accept (2), up to 1 + K + 1 after a step whose
-# K drafts another proposer (n-gram) made and the target all accepted. Its graphs take this
-# many tokens more per sequence than the target's verify graphs; longer catch-up runs eagerly.
-DRAFT_QUERY_MARGIN = 1
 
 
 class _NotCaptured(enum.Enum):
@@ -81,64 +66,6 @@ class _NotCaptured(enum.Enum):
 
 NOT_CAPTURED = _NotCaptured.NOT_CAPTURED
 """`CudaGraphs.forward`'s answer for a step no graph holds: the runner runs it eagerly."""
-
-
-def capture_sizes(cap: int, smallest: int = 1) -> tuple[int, ...]:
-    """The padded token counts to capture, from `smallest` up to `cap` (always included)."""
-    ladder = [1, 2, 4, *range(8, 257, 8), *range(288, cap + 1, 32)]
-    sizes = {s for s in ladder if smallest <= s <= cap}
-    if cap >= smallest:
-        sizes.add(cap)
-    return tuple(sorted(sizes))
-
-
-def verify_query_len(config: EngineConfig) -> int:
-    """The longest query one sequence has in a served decode/verify step of the target: 1 + the
-    speculative config's num_speculative_tokens (1 without speculation)."""
-    spec = config.speculative_config
-    assert spec is None or isinstance(spec, SpeculativeConfig)
-    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
-
-
-def draft_max_query_len(num_speculative_tokens: int) -> int:
-    """The longest query per sequence a draft model's captured graphs take: its first forward of
-    a step after accepted drafts (see DRAFT_QUERY_MARGIN)."""
-    return 1 + num_speculative_tokens + DRAFT_QUERY_MARGIN
-
-
-def graph_sizes(config: EngineConfig, max_query_len: int) -> dict[int, tuple[int, ...]]:
-    """max query length -> the padded token counts to capture with it (see the module's
-    docstring). Every size stays within the memory plan's captured step: at most
-    max_num_seqs * verify_query_len(config) tokens, max_num_batched_tokens and
-    MAX_CAPTURE_TOKENS, whatever max_query_len is."""
-    limit = min(
-        config.max_num_batched_tokens,
-        MAX_CAPTURE_TOKENS,
-        config.max_num_seqs * verify_query_len(config),
-    )
-    sizes = {1: capture_sizes(min(config.max_num_seqs, limit))}
-    verify = capture_sizes(min(config.max_num_seqs * max_query_len, limit), smallest=2)
-    if max_query_len > 1 and verify:
-        sizes[max_query_len] = verify
-    return sizes
-
-
-def choose_bucket(
-    sizes: Mapping[int, Sequence[int]], max_model_len: int, chunks: Sequence[SeqChunk]
-) -> Bucket | None:
-    """The smallest bucket of `sizes` (max query length -> sorted token counts, shortest query
-    first) that holds this step, or None (run it eagerly): every chunk within the longest
-    context and the bucket's query length, all tokens within its count. A chunk's num_logits
-    does not matter (see the module's docstring)."""
-    if not chunks or any(c.start + len(c.token_ids) > max_model_len for c in chunks):
-        return None
-    num_tokens = sum(len(c.token_ids) for c in chunks)
-    longest = max(len(c.token_ids) for c in chunks)
-    for max_query_len, counts in sorted(sizes.items()):
-        i = bisect.bisect_left(counts, num_tokens)
-        if longest <= max_query_len and i < len(counts):
-            return Bucket(max_query_len, counts[i])
-    return None
 
 
 class Graph(Protocol):
@@ -220,14 +147,6 @@ class CudaCaptureDevice:
     def wait_copies(self) -> None:
         if self._has_copies:
             self._copied.synchronize()
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One captured shape: padded token count and the longest query a sequence may have."""
-
-    max_query_len: int
-    num_tokens: int
 
 
 @dataclass(frozen=True)

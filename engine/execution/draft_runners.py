@@ -13,6 +13,8 @@ from engine.config import EngineConfig
 from engine.execution.runner import ModelRunner
 from engine.models.bundled import resolve_model
 from engine.models.config import ModelConfig
+from engine.models.eagle3.checkpoint import load_head
+from engine.models.eagle3.config import Eagle3Config
 from engine.runtime.startup import startup_phase
 from engine.speculative_config import SpeculativeConfig
 
@@ -50,8 +52,6 @@ def load_head_runner(
     resolver knows) checked against the target, loaded in spec.draft_dtype or the target's dtype,
     sharing the target's embedding when it has none; the target then keeps the tapped layers'
     inputs of every forward (model.aux_layers)."""
-    from engine.models.eagle3 import Eagle3Config, load_head
-
     assert spec.model is not None
     path = Path(spec.model).expanduser()
     if not path.is_dir():

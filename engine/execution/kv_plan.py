@@ -27,15 +27,12 @@ import ctypes
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.execution.cuda_graphs import GRAPHABLE_BACKENDS, MAX_CAPTURE_TOKENS
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.execution.runner import ModelRunner
-    from engine.models.config import ModelConfig
+from engine.config import EngineConfig
+from engine.execution.graph_buckets import GRAPHABLE_BACKENDS, MAX_CAPTURE_TOKENS
+from engine.execution.runner import ModelRunner
+from engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,10 @@ from engine.core.chunks import SeqChunk
 from engine.execution.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.models.config import ModelConfig
 from engine.models.gguf import load_quantized
-from engine.models.llama import ForwardContext, RotaryEmbedding, enable_batch_invariant
+from engine.models.linears import enable_batch_invariant
+from engine.models.llama import ForwardContext
 from engine.models.loader import load_model, quantization_of
+from engine.models.rope import RotaryEmbedding
 from engine.runtime.device import Device
 
 logger = logging.getLogger(__name__)

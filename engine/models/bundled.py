@@ -39,6 +39,7 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.models.gguf import GGUF_FILE_NAME, gguf_file
+from engine.models.gguf_reader import open_gguf
 from engine.models.packages import BundledModel, PackagePart, assemble_gguf, locate_parts
 from engine.runtime.cache import cache_root
 
@@ -350,8 +351,6 @@ def _has_saved_chat_template(out_dir: Path) -> bool:
 
 def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
     """The chat template and end-of-generation ids recorded in a GGUF file."""
-    from engine.models.gguf import open_gguf
-
     metadata = open_gguf(gguf_path).metadata
     template = metadata.get("tokenizer.chat_template")
     eos_ids: list[int] = []

@@ -35,6 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.kernels import cpu_kernels, unavailable_reason
+from engine.models.gguf_reader import GgufFile, open_gguf
+
 logger = logging.getLogger(__name__)
 
 GGUF_FILE_NAME = "model.gguf"
@@ -104,8 +107,6 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32, exactly as the gguf package dequantises it."""
-        from engine.kernels import cpu_kernels
-
         kernels = cpu_kernels()
         assert kernels is not None, "quantised weights need the CPU kernels"
         return kernels.dequantize(self.blocks, self.qtype, self.columns)
@@ -138,116 +139,6 @@ def any_checkpoint_name(gguf_name: str) -> str | None:
     if match and match.group(2) in _OTHER_LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_OTHER_LAYER_NAMES[match.group(2)]}"
     return None
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    """One tensor of a GGUF file, as the gguf package's reader presents it: `shape` in GGUF's
-    order (fastest dimension first), `data` a read-only view of the file (float and integer
-    types as such, reversed shape; block formats as uint8 rows of their bytes)."""
-
-    name: str
-    tensor_type: int  # the GGML type id
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
-@dataclass(frozen=True)
-class GgufFile:
-    """A GGUF file's metadata (scalars and strings; arrays as their length) and tensors."""
-
-    metadata: Mapping[str, object]
-    tensors: list[GgufTensor]
-
-
-# GGUF metadata value types (the spec's gguf_metadata_value_type): id -> struct format.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}  # fmt: skip
-_STRING, _ARRAY = 8, 9
-# GGML types whose data the reader presents in their own numpy dtype.
-_PLAIN_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
-                27: np.int64, 28: np.float64}  # fmt: skip
-
-
-def open_gguf(path: Path) -> GgufFile:
-    """Read a GGUF file's header (versions 2 and 3, little-endian): the metadata, without
-    materialising its arrays (a 150k-token vocabulary's strings are skipped by their lengths,
-    where the gguf package's reader spends half a minute making a numpy view of each), and
-    every tensor's type, shape and place, its data a view of a read-only memory map."""
-    import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
-    pos = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal pos
-        values = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return values
-
-    def string() -> str:
-        nonlocal pos
-        (length,) = take("Q")
-        text = bytes(buf[pos : pos + length]).decode("utf-8", errors="replace")
-        pos += length
-        return text
-
-    def value(kind: int) -> object:
-        nonlocal pos
-        if kind in _SCALARS:
-            return take(_SCALARS[kind])[0]
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            item, count = take("IQ")
-            if item in _SCALARS:
-                pos += count * struct.calcsize("<" + _SCALARS[item])
-            else:
-                for _ in range(count):
-                    value(item)
-            return count
-        raise ValueError(f"{path}: unknown GGUF metadata type {kind} at byte {pos}.")
-
-    magic, version = take("4sI")
-    if magic != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file (magic {magic!r}).")
-    if version not in (2, 3):
-        if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
-            raise ValueError(f"{path} is a big-endian GGUF file: only little-endian is read.")
-        raise ValueError(f"{path}: GGUF version {version} is not read (2 and 3 are).")
-    num_tensors, num_fields = take("QQ")
-    metadata: dict[str, object] = {}
-    for _ in range(num_fields):
-        key = string()
-        (kind,) = take("I")
-        metadata[key] = value(kind)
-    infos = []
-    for _ in range(num_tensors):
-        name = string()
-        (num_dims,) = take("I")
-        dims = take("Q" * num_dims)
-        kind, offset = take("IQ")
-        infos.append((name, tuple(int(d) for d in dims), int(kind), int(offset)))
-    alignment = int(metadata.get("general.alignment", 32))  # type: ignore[call-overload]
-    start = -(-pos // alignment) * alignment
-    tensors = []
-    for name, dims, kind, offset in infos:
-        num_elements = int(np.prod(dims))
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        begin = start + offset
-        reversed_dims = tuple(reversed(dims))
-        if kind in _PLAIN_TYPES:
-            dtype = np.dtype(_PLAIN_TYPES[kind]).newbyteorder("<")
-            data = raw[begin : begin + num_elements * dtype.itemsize].view(dtype)
-            data = data.reshape(reversed_dims)
-        else:
-            data = raw[begin : begin + num_elements // block * size]
-            data = data.reshape(*reversed_dims[:-1], reversed_dims[-1] // block * size)
-        tensors.append(GgufTensor(name, kind, dims, data))
-    return GgufFile(metadata, tensors)
 
 
 def permutes_q_k(reader: GgufFile) -> bool:
@@ -283,8 +174,6 @@ def serving_layout(tensor: QuantTensor) -> QuantTensor:
     weights instead of 210), and Q5_0 becomes Q8_0 (34 bytes per 32 instead of 22): a widening
     load instead of five bit operations per weight. The values are unchanged
     (tests/unit/test_quant_kernels.py)."""
-    from engine.kernels import cpu_kernels
-
     kernels = cpu_kernels()
     assert kernels is not None, "quantised weights need the CPU kernels"
     if tensor.qtype == 14:
@@ -304,66 +193,12 @@ def int8_layout(tensor: QuantTensor) -> QuantTensor:
     multiply-add per 32 weights and activation row instead of two. Other layouts are returned as
     they are. Q4_KT has no float32-activation product; its values are unchanged
     (tests/unit/test_int8_kernels.py)."""
-    from engine.kernels import cpu_kernels
-
     if tensor.qtype != 12:
         return tensor
     kernels = cpu_kernels()
     assert kernels is not None, "quantised weights need the CPU kernels"
     blocks = kernels.repack_q4_k_t(tensor.blocks, tensor.columns)
     return QuantTensor(blocks, Q4_KT, tensor.columns, origin=tensor.origin or "Q4_K")
-
-
-def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
-    """A float weight [rows, columns] (columns a multiple of 32) as Q8_0 blocks, made as ggml's
-    reference quantiser makes them: per 32 weights d = max|w| / 127 stored as float16, and the
-    weights as round(w / d) in int8 (0 where d is 0)."""
-    rows, columns = weight.shape
-    if columns % 32:
-        raise ValueError(f"Q8_0 needs a multiple of 32 columns, got {columns}.")
-    w = weight.detach().to("cpu", torch.float32).reshape(rows, columns // 32, 32)
-    d = w.abs().amax(dim=-1, keepdim=True) / 127  # [rows, blocks, 1]
-    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(w * inverse).clamp(-127, 127).to(torch.int8)
-    scales = d.to(torch.float16).view(torch.uint8)  # [rows, blocks, 2], little-endian float16
-    blocks = torch.cat((scales, q.view(torch.uint8)), dim=-1).reshape(rows, columns // 32 * 34)
-    return QuantTensor(blocks.contiguous(), 8, columns)
-
-
-def quantize_q6_k(weight: torch.Tensor) -> QuantTensor:
-    """A float weight [rows, columns] (columns a multiple of 256) as GGML Q6_K blocks (210 bytes
-    per 256 weights: the low four bits of each 6-bit q in ql[128], the high two in qh[64], 16
-    int8 sub-block scales, a float16 d; weight = d * scale * (q - 32)). Per 16 weights the step
-    wanted is max|w| / 31 (so q - 32 stays in [-31, 31]); it is stored as ceil(step / d), with
-    d = the largest step of the block / 126.5 (the ceiling stays within 127 after d's float16
-    rounding), so the step used is at least the one wanted and at most d more, and
-    q = round(w / (d * scale)) + 32. A plain quantiser (ggml's searches each scale): every
-    weight within half its step."""
-    rows, columns = weight.shape
-    if columns % 256:
-        raise ValueError(f"Q6_K needs a multiple of 256 columns, got {columns}.")
-    nb = columns // 256
-    w = weight.detach().to("cpu", torch.float32).reshape(rows, nb, 16, 16)
-    group = w.abs().amax(dim=-1) / 31  # [rows, nb, 16]
-    d = (group.amax(dim=-1, keepdim=True) / 126.5).to(torch.float16)  # [rows, nb, 1]
-    df = d.float()
-    scales = torch.where(df > 0, group / df, torch.zeros_like(group)).ceil().clamp(0, 127)
-    step = (df * scales)[..., None]  # [rows, nb, 16, 1]
-    q = torch.where(step > 0, w / step, torch.zeros_like(w)).round().clamp(-32, 31) + 32
-    q = q.to(torch.uint8).reshape(rows, nb, 2, 128)  # halves of 128 weights
-    low, high = q & 0xF, q >> 4
-    ql = low[..., :64] | (low[..., 64:] << 4)  # [rows, nb, 2, 64]
-    qh = high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)
-    blocks = torch.cat(
-        (
-            ql.reshape(rows, nb, 128),
-            qh.reshape(rows, nb, 64),
-            scales.to(torch.int8).view(torch.uint8),
-            d.view(torch.uint8),  # little-endian float16
-        ),
-        dim=-1,
-    )
-    return QuantTensor(blocks.reshape(rows, nb * 210).contiguous(), 14, columns)
 
 
 def read_dense(
@@ -428,8 +263,6 @@ def load_quantized(
     """The GGUF weights to serve for `quantization` setting "gguf" or "auto", or None for dense
     weights ("none"; "auto" without a GGUF file, off the CPU or without the CPU kernels). "gguf"
     where it cannot be served raises ValueError saying why."""
-    from engine.kernels import cpu_kernels, unavailable_reason
-
     if setting == "none":
         return None
     path = gguf_file(model_dir)

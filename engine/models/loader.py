@@ -25,7 +25,8 @@ from torch import nn
 from engine.models.bundled import ensure_dense_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.gguf import QuantTensor, gguf_file, int8_layout, read_dense
-from engine.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
+from engine.models.linears import QuantEmbedding, QuantLinear
+from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -28,17 +28,14 @@ draft KV is current.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from engine.core.drafts import MAX_CATCH_UP_CHUNK
-from engine.core.schedule import StepShape
+from engine.core.schedule import Candidate, StepShape
+from engine.core.stats import StepStats
 from engine.policy.acceptance import expected_tokens
 from engine.policy.goodput import AffineDraftCost, DraftCost, forward_seconds
 from engine.policy.step_time import StepTimePredictor
-
-if TYPE_CHECKING:
-    from engine.core.schedule import Candidate
-    from engine.core.stats import StepStats
+from engine.speculative_config import MODEL_DRAFTERS
 
 # Weight of the newest measurement in every estimate here (EWMA).
 COST_RATE = 0.2
@@ -53,7 +50,7 @@ CATCH_UP_HORIZON = 32
 CATCH_UP_SHARE = 0.5
 MIN_CATCH_UP_CHUNK = 16
 # Sources that draft with a model: each draft depth costs one batched forward of it.
-MODEL_SOURCES = frozenset({"draft_model", "eagle3"})
+MODEL_SOURCES = frozenset(MODEL_DRAFTERS)
 # The correction stays within these bounds, and fades toward none by this share per step without
 # drafts, so speculation is tried again once what made it cost more (a load, a draft model
 # catching up) may have passed. It is never a discount (below 1): the model already learns every
@@ -205,6 +202,25 @@ class DraftCosts:
             self.catch_up_seconds_per_token = _ewma(
                 self.catch_up_seconds_per_token, extra / timing.num_catch_up
             )
+
+
+def catch_up_shares(
+    candidates: Sequence[Candidate], ks: list[int], behind: list[bool], chunk: int
+) -> dict[int, int]:
+    """The catch-up tokens of each granted candidate the draft model is too far behind on to
+    draft for: the step's chunk, less what the drafting requests catch up on, handed out in
+    candidate order (one that gets none waits its turn: still reason catch_up)."""
+    left = chunk - sum(
+        c.num_catch_up
+        for c, k, b in zip(candidates, ks, behind, strict=True)
+        if k and not b and c.source in MODEL_SOURCES
+    )
+    catch_up = {}
+    for i, (c, k, b) in enumerate(zip(candidates, ks, behind, strict=True)):
+        if k and b:
+            catch_up[i] = max(0, min(c.num_catch_up, left))
+            left -= catch_up[i]
+    return catch_up
 
 
 def _ewma(value: float, sample: float) -> float:

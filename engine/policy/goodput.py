@@ -161,3 +161,12 @@ def step_seconds(
         shape.context_with(num_drafts),
         shape.base_rows + num_drafts,
     ) + draft_cost(num_drafts)
+
+
+def plus_fixed(cost: DraftCost, seconds: float) -> DraftCost:
+    """cost, plus seconds the step pays whatever it drafts."""
+    if not seconds:
+        return cost
+    if isinstance(cost, AffineDraftCost):
+        return cost.plus(seconds)
+    return lambda num_draft_tokens: cost(num_draft_tokens) + seconds

@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from engine.core.schedule import Candidate, StepShape, acceptance_key
 from engine.core.stats import Decision, StepStats
 from engine.policy.acceptance import AcceptanceTracker, expected_tokens
-from engine.policy.costs import MODEL_SOURCES, DraftCosts
+from engine.policy.costs import MODEL_SOURCES, DraftCosts, catch_up_shares
 from engine.policy.device_monitor import DeviceMonitor
 from engine.policy.goodput import (
-    AffineDraftCost,
     DraftCost,
     best_draft_lengths,
     forward_seconds,
     goodput,
+    plus_fixed,
     step_seconds,
 )
 from engine.policy.step_time import MemoPredictor, StepTimeModel, StepTimePredictor
@@ -104,7 +104,7 @@ class SpeculationPolicy:
             self.step_model.predict(shape.base_tokens, shape.context, shape.base_rows)
         )
         # A draft model further behind on a request than a step may catch up cannot draft for it
-        # this step: what it is granted buys a chunk of catch-up instead (_catch_up).
+        # this step: what it is granted buys a chunk of catch-up instead (catch_up_shares).
         behind = [c.source in MODEL_SOURCES and c.num_catch_up > chunk for c in candidates]
         reasons: list[str]
         if self.mode == "auto":
@@ -120,7 +120,7 @@ class SpeculationPolicy:
                 reasons = [
                     r or ("fixed" if k else "budget") for k, r in zip(ks, limits, strict=True)
                 ]
-            catch_up = self._catch_up(candidates, ks, behind, chunk)
+            catch_up = catch_up_shares(candidates, ks, behind, chunk)
             for i in catch_up:
                 ks[i], reasons[i] = 0, "catch_up"
         return [
@@ -133,25 +133,6 @@ class SpeculationPolicy:
             )
             for i, (c, k, r) in enumerate(zip(candidates, ks, reasons, strict=True))
         ]
-
-    @staticmethod
-    def _catch_up(
-        candidates: Sequence[Candidate], ks: list[int], behind: list[bool], chunk: int
-    ) -> dict[int, int]:
-        """The catch-up tokens of each granted candidate the draft model is too far behind on to
-        draft for: the step's chunk, less what the drafting requests catch up on, handed out in
-        candidate order (one that gets none waits its turn: still reason catch_up)."""
-        left = chunk - sum(
-            c.num_catch_up
-            for c, k, b in zip(candidates, ks, behind, strict=True)
-            if k and not b and c.source in MODEL_SOURCES
-        )
-        catch_up = {}
-        for i, (c, k, b) in enumerate(zip(candidates, ks, behind, strict=True)):
-            if k and b:
-                catch_up[i] = max(0, min(c.num_catch_up, left))
-                left -= catch_up[i]
-        return catch_up
 
     def _cap(
         self, candidate: Candidate, num_running: int, utilization: float | None
@@ -183,7 +164,7 @@ class SpeculationPolicy:
         uses_model = [c.source in MODEL_SOURCES for c in candidates]
         alphas = [self._acceptance(c, m) for c, m in zip(candidates, uses_model, strict=True)]
         ks, model_seconds = self._allocate(candidates, alphas, caps, uses_model, shape)
-        catch_up = self._catch_up(candidates, ks, behind, chunk)
+        catch_up = catch_up_shares(candidates, ks, behind, chunk)
         fixed = 0.0
         if catch_up:
             fixed = self.costs.catch_up_seconds_per_token * sum(catch_up.values())
@@ -227,10 +208,10 @@ class SpeculationPolicy:
                 min(cap, depth) if m else cap for cap, m in zip(caps, uses_model, strict=True)
             ]
             model_seconds = self.costs.model_seconds(candidates, alphas, depth_caps, depth)
-            cost = _plus(self.costs.step_cost(model_seconds, shape, self._prices), fixed)
+            cost = plus_fixed(self.costs.step_cost(model_seconds, shape, self._prices), fixed)
             ks = best_draft_lengths(alphas, depth_caps, shape, self._prices, cost, forwards)
             # Valued with the catch-up of the requests that draft, not of every one that could.
-            cost = _plus(
+            cost = plus_fixed(
                 self.costs.step_cost(
                     self.costs.model_seconds(candidates, alphas, ks, depth), shape, self._prices
                 ),
@@ -374,12 +355,3 @@ class SpeculationPolicy:
             key = acceptance_key(request_id, source)
             self.tracker.forget(key)
             self._last_k.pop(key, None)
-
-
-def _plus(cost: DraftCost, seconds: float) -> DraftCost:
-    """cost, plus seconds the step pays whatever it drafts."""
-    if not seconds:
-        return cost
-    if isinstance(cost, AffineDraftCost):
-        return cost.plus(seconds)
-    return lambda num_draft_tokens: cost(num_draft_tokens) + seconds

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 from engine.execution.runner import ModelRunner
-from engine.policy.calibration import load_or_calibrate, time_forward
+from engine.policy.calibration import time_forward
+from engine.policy.calibration_cache import load_or_calibrate
 from engine.policy.device_monitor import make_monitor
 from engine.policy.policy import SpeculationPolicy
 from engine.policy.step_time import StepTimeModel

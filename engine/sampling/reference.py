@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling.sampler import SamplingRow
+from engine.sampling.rows import SamplingRow
 
 _NEG_INF = float("-inf")
 

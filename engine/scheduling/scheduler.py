@@ -14,16 +14,14 @@ import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from engine.core.chunks import attention_reads
+from engine.core.drafts import DraftOffer
 from engine.core.request import Request, RequestStatus
 from engine.core.schedule import Candidate, ScheduledRequest, SchedulerOutput, StepShape
 from engine.core.stats import Decision
 from engine.scheduling.block_manager import BlockManager
-
-if TYPE_CHECKING:
-    from engine.core.drafts import DraftOffer
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 self_attn.{q,k,v,o}_proj, midlayer.mlp.{gate,up,down}_proj, the three midlayer norms, norm,
 lm_head) and d2t / t2d as buffers, so its state_dict is the exported checkpoint. Its embedding is
 a frozen copy of the target's, outside the state_dict: the served head shares the target's. The
-forward is engine.models.eagle3's (see its docstring), with dense causal attention.
+forward is engine.models.eagle3.head's (see its docstring), with dense causal attention.
 
 TTT unrolls the head `ttt_length` steps over a whole sequence at once, as it drafts when served.
 Head position t pairs the target's features at t with token t + 1 (step 0: h = fc(taps_t)). Step
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.eagle3 import Eagle3Config
+from engine.models.eagle3.config import Eagle3Config
 from engine.training.eagle3_data import SequenceFeatures
 
 

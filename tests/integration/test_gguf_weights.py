@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams, kernels
 from engine.models.gguf import GGUF_FILE_NAME, Q4_KT
-from engine.models.llama import QuantEmbedding, QuantLinear
+from engine.models.linears import QuantEmbedding, QuantLinear
 from tests.gguf_models import MIXED_FORMATS, Q, build_tiny_gguf_model
 from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
 

@@ -11,7 +11,8 @@ from engine.core.chunks import attention_reads
 from engine.core.request import Request
 from engine.core.schedule import Candidate
 from engine.llm import LLM
-from engine.policy.calibration import is_plausible, measure
+from engine.policy.calibration import measure
+from engine.policy.calibration_cache import is_plausible
 from engine.policy.policy import SpeculationPolicy
 from engine.sampling_params import SamplingParams
 from tests.policy_fakes import KNEE, Driver, FixedMonitor, FlatThenLinear, requests, shape

@@ -24,7 +24,7 @@ from engine import kernels
 from engine.attention.base import BatchLayout
 from engine.attention.cpu_paged import CpuAttentionBackend
 from engine.models.gguf import QuantTensor, int8_layout, serving_layout
-from engine.models.llama import float32_linear, linear
+from engine.models.linears import float32_linear, linear
 from tests.gguf_models import Q, random_blocks
 
 pytestmark = pytest.mark.skipif(

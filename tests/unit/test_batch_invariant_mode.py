@@ -17,7 +17,8 @@ import engine.execution.runner
 from engine import LLM
 from engine.config import EngineConfig
 from engine.execution.runner import ModelRunner
-from engine.models.llama import MLP, Linear, RMSNorm, enable_batch_invariant
+from engine.models.linears import Linear, enable_batch_invariant
+from engine.models.llama import MLP, RMSNorm
 from tests.gguf_models import build_tiny_gguf_model
 from tests.unit.test_config import cpu_node, fake_cuda_node
 from tests.unit.test_triton_attn import needs_triton, run_interpreted

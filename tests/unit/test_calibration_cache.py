@@ -15,8 +15,8 @@ import torch
 from engine import kernels
 from engine.core.chunks import attention_reads
 from engine.core.stats import StepStats
-from engine.execution.cuda_graphs import Bucket
-from engine.policy import cached_fit, calibration
+from engine.execution.graph_buckets import Bucket
+from engine.policy import cached_fit, calibration, calibration_cache
 from engine.policy.policy import SpeculationPolicy
 from engine.policy.step_time import StepTimeModel
 from engine.speculative_config import SpeculativeConfig
@@ -43,7 +43,7 @@ def _runner(
 
 
 def _key(runner: SimpleNamespace, path: Path = Path("/models/a")) -> str:
-    return calibration._cache_key(runner, path, 64, 2048)
+    return calibration_cache._cache_key(runner, path, 64, 2048)
 
 
 def test_the_key_is_stable_for_one_setup():
@@ -56,7 +56,7 @@ def test_the_key_changes_with_what_changes_the_timings(monkeypatch):
     int8 = _key(_runner("gguf (Q4_K), int8 activations"))
     assert int8 not in (base, _key(_runner("gguf (Q4_K), float32 activations")))
     assert _key(_runner(), Path("/models/b")) != base
-    monkeypatch.setattr(calibration, "cpu_name", lambda: "another CPU")
+    monkeypatch.setattr(calibration_cache, "cpu_name", lambda: "another CPU")
     other_cpu = _key(_runner())
     assert other_cpu != base
     monkeypatch.setattr(kernels, "speed_signature", lambda: "other kernels")
@@ -76,7 +76,7 @@ def test_the_key_changes_with_the_path_the_timed_steps_take():
 
 
 def test_the_cpu_is_named_by_its_model():
-    name = calibration.cpu_name()
+    name = calibration_cache.cpu_name()
     assert name and name not in ("x86_64", "")  # not just the architecture where /proc says more
 
 
@@ -91,7 +91,7 @@ NUM_STEPS = cached_fit.NUM_CHECK_STEPS
 def _use_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The cache on, under tmp_path, with one key; returns the fit's path there."""
     monkeypatch.setenv("SPECSERVE_CALIBRATION_CACHE", "1")
-    monkeypatch.setattr(calibration, "_cache_key", lambda *args: "key")
+    monkeypatch.setattr(calibration_cache, "_cache_key", lambda *args: "key")
     return tmp_path / "calibration" / "key.json"
 
 
@@ -109,7 +109,7 @@ def _no_forwards(*args: object) -> float:
 def _load(tmp_path: Path, runner: SimpleNamespace | None = None) -> SpeculationPolicy:
     """The policy over load_or_calibrate's model, fed steps as the engine feeds them."""
     blocks = SimpleNamespace(num_blocks=256, block_size=16)
-    model = calibration.load_or_calibrate(
+    model = calibration_cache.load_or_calibrate(
         runner or _runner(), blocks, Path("/models/a"), 64, 2048, cache_dir=tmp_path
     )
     return SpeculationPolicy("auto", 4, model)

@@ -5,7 +5,7 @@ chunk runs eagerly, launch-bound and several times slower at a few tokens. A cal
 timed n tokens as one prompt chunk fitted the eager path, and the verify batches it priced rows
 with (which do replay graphs) then came out cheaper than the one-row curve: the row cost clamped
 to 0. Here a fake runner decides each forward's path with the graphs' own bucket rule
-(engine.execution.cuda_graphs.choose_bucket over the sizes make_cuda_graphs would capture for the config)
+(engine.execution.graph_buckets.choose_bucket over the sizes make_cuda_graphs would capture for the config)
 and advances a scripted clock by that path's cost, so the tests see which path every timed step
 took and what the fit makes of it. No wall clock is read.
 """
@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from engine.core.chunks import SeqChunk, attention_reads
-from engine.execution.cuda_graphs import choose_bucket, graph_sizes, verify_query_len
-from engine.policy import calibration
+from engine.execution.graph_buckets import choose_bucket, graph_sizes, verify_query_len
+from engine.policy import calibration, calibration_cache
 from engine.policy.calibration import calibration_grid, measure
 from engine.policy.step_time import StepTimeModel
 from engine.scheduling.block_manager import BlockManager
@@ -265,4 +265,4 @@ def test_a_device_that_attends_in_parallel_keeps_every_timing_in_the_fit():
     assert model.predict(1) == pytest.approx(GRAPH_BASE + GRAPH_PER_TOKEN + PER_ROW + per_key)
     # A decode step still pays for its context: more cached positions, a dearer step.
     assert model.predict(8, 8 * attention_reads(1000, 1)) > model.predict(8, 8 * 1)
-    assert calibration.is_plausible(model)
+    assert calibration_cache.is_plausible(model)

@@ -18,7 +18,8 @@ from engine.core.drafts import Draft
 from engine.core.request import Request, _mix
 from engine.sampling import counter_rng
 from engine.sampling.counter_rng import exponentials, row_keys, uniforms
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.rows import SamplingRow
+from engine.sampling.sampler import Sampler
 from engine.verification.verifier import Verifier
 from tests.conftest import ngram_llm
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels as kernels
-from engine.models import llama
+from engine.models import linears
 
 needs_kernels = pytest.mark.skipif(
     kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason())
@@ -134,7 +134,7 @@ def _spy(monkeypatch) -> list[int]:
             calls.append(-x.shape[0])
             return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(llama, "cpu_kernels", lambda: Spy)
+    monkeypatch.setattr(linears, "cpu_kernels", lambda: Spy)
     return calls
 
 
@@ -144,11 +144,11 @@ def test_every_cpu_linear_goes_to_the_kernels_at_any_number_of_rows(monkeypatch)
     calls = _spy(monkeypatch)
     weight = torch.randn(16, 32)
     for rows in (1, 4, 16, 17, 64, 300):
-        llama.linear(torch.randn(rows, 32).bfloat16(), weight.bfloat16())
+        linears.linear(torch.randn(rows, 32).bfloat16(), weight.bfloat16())
     for rows in (1, 3, 40):
-        llama.linear(torch.randn(rows, 32), weight)  # float32 weights: f32_linear
-    llama.float32_linear(torch.randn(20, 32), weight.bfloat16())  # an LM head
-    llama.float32_linear(torch.randn(20, 32), weight)
+        linears.linear(torch.randn(rows, 32), weight)  # float32 weights: f32_linear
+    linears.float32_linear(torch.randn(20, 32), weight.bfloat16())  # an LM head
+    linears.float32_linear(torch.randn(20, 32), weight)
     assert calls == [1, 4, 16, 17, 64, 300, -1, -3, -40, 20, -20]
 
 
@@ -182,12 +182,12 @@ def test_float32_chunks_match_float64(monkeypatch, with_bias):
 
 
 def test_without_the_kernel_torch_computes_the_same(monkeypatch):
-    monkeypatch.setattr(llama, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(linears, "cpu_kernels", lambda: None)
     weight, bias = torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
     for rows in (1, 3):
         x = torch.randn(rows, 32).bfloat16()
         ref = x.double() @ weight.double().t() + bias.double()
-        out = llama.linear(x, weight, bias)
+        out = linears.linear(x, weight, bias)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 

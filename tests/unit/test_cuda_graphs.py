@@ -22,19 +22,13 @@ from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
-from engine.execution import cuda_graphs
-from engine.execution.cuda_graphs import (
-    MAX_CAPTURE_TOKENS,
-    NOT_CAPTURED,
-    Bucket,
-    CudaGraphs,
-    capture_sizes,
-    make_cuda_graphs,
-)
+from engine.execution import cuda_graphs, graph_buckets
+from engine.execution.cuda_graphs import NOT_CAPTURED, CudaGraphs, make_cuda_graphs
+from engine.execution.graph_buckets import MAX_CAPTURE_TOKENS, Bucket, capture_sizes
 from engine.execution.runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.models.llama import RotaryEmbedding
 from engine.models.loader import load_model
+from engine.models.rope import RotaryEmbedding
 from engine.runtime.device import Device
 
 BLOCK_SIZE = 256  # flash-attn's page size
@@ -358,7 +352,7 @@ def _engine_draft_max_query_len(num_speculative_tokens: int) -> int:
             if isinstance(value, ast.Constant):
                 return int(value.value)
             assert ast.unparse(value) == "draft_max_query_len(num_drafts)"
-            return cuda_graphs.draft_max_query_len(num_speculative_tokens)
+            return graph_buckets.draft_max_query_len(num_speculative_tokens)
     raise AssertionError("build.py allocates no draft KV cache")
 
 
@@ -426,13 +420,13 @@ def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num
     )
     max_query_len = _engine_draft_max_query_len(num_drafts)
     assert max_query_len >= 2 + num_drafts
-    sizes = cuda_graphs.graph_sizes(config, max_query_len)
+    sizes = graph_buckets.graph_sizes(config, max_query_len)
     planned = min(budget, max_num_seqs * (1 + num_drafts), MAX_CAPTURE_TOKENS)
     assert max(max(s) for s in sizes.values()) <= planned
     assert max(sizes) == max_query_len
     full_batch = [SeqChunk([0, 0], 0, [0], 1) for _ in range(max_num_seqs)]
     if 2 * max_num_seqs <= planned:
-        assert cuda_graphs.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
+        assert graph_buckets.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
 
 
 def test_the_graphable_backends_by_name_are_the_ones_that_capture():
@@ -448,4 +442,4 @@ def test_the_graphable_backends_by_name_are_the_ones_that_capture():
         "cpu": CpuAttentionBackend(),
     }
     graphable = {n for n, b in backends.items() if isinstance(b, cuda_graphs.GraphableBackend)}
-    assert graphable == set(cuda_graphs.GRAPHABLE_BACKENDS)
+    assert graphable == set(graph_buckets.GRAPHABLE_BACKENDS)

@@ -19,9 +19,10 @@ from engine.core.chunks import SeqChunk
 from engine.execution.cuda_graphs import NOT_CAPTURED, CudaGraphs
 from engine.execution.runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.models.eagle3 import Eagle3Config, load_head
-from engine.models.llama import RotaryEmbedding
+from engine.models.eagle3.checkpoint import load_head
+from engine.models.eagle3.config import Eagle3Config
 from engine.models.loader import load_model
+from engine.models.rope import RotaryEmbedding
 from tests.eagle3_heads import build_tiny_eagle3_head
 from tests.unit.test_cuda_graphs import (
     MAX_MODEL_LEN,

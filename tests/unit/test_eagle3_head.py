@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
-from engine.models.eagle3 import Eagle3Config
+from engine.models.eagle3.config import Eagle3Config
 from tests.conftest import build_tiny_model
 from tests.eagle3_heads import build_tiny_eagle3_head
 
@@ -243,7 +243,7 @@ def test_q8_0_blocks_are_the_gguf_packages(target):
     import numpy as np
     from gguf import quants
 
-    from engine.models.gguf import quantize_q8_0
+    from engine.models.gguf_quantize import quantize_q8_0
 
     weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(4)) * 0.05
     weight[3, :32] = 0.0  # an all-zero block: scale 0
@@ -278,7 +278,8 @@ def test_q6_k_blocks_read_back_as_the_gguf_package_reads_them():
     import gguf
     import numpy as np
 
-    from engine.models.gguf import quantize_q6_k, serving_layout
+    from engine.models.gguf import serving_layout
+    from engine.models.gguf_quantize import quantize_q6_k
 
     weight = torch.randn(24, 512, generator=torch.Generator().manual_seed(6)) * 0.05
     weight[2, :16] = 0.0  # an all-zero sub-block
@@ -383,8 +384,8 @@ def test_a_made_heads_config_carries_the_targets_rope(tmp_path, scaled):
     """head_config_dict (what the trainer exports) gives the head the target's RoPE tables: its
     theta, and a Llama 3.1 target's llama3 scaling (lost, the head would rotate its queries and
     keys by other angles than it was trained with past the first positions)."""
-    from engine.models.eagle3 import head_config_dict
-    from engine.models.llama import RotaryEmbedding
+    from engine.models.eagle3.config import head_config_dict
+    from engine.models.rope import RotaryEmbedding
 
     rope = {"rope_theta": 500000.0}
     if scaled:

@@ -1,4 +1,4 @@
-"""Our GGUF header reader (engine.models.gguf.open_gguf) against the gguf package's reader, on
+"""Our GGUF header reader (engine.models.gguf_reader.open_gguf) against the gguf package's reader, on
 files the gguf package's writer made: every tensor's name, type, shape and bytes, every metadata
 scalar and string (arrays by their length), a custom alignment, and clear errors for what is not
 a GGUF file. It reads the header without materialising the arrays, where the package's reader
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from engine.models.gguf import open_gguf
+from engine.models.gguf_reader import open_gguf
 from tests.gguf_models import random_blocks
 
 

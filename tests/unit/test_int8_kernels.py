@@ -260,7 +260,7 @@ def test_some_output_rows_alone_are_those_of_the_whole_product(int8):
     """output_rows (the K/V part of a fused projection, say) multiplies by those weight rows
     only, across runs of different formats, and gives bit for bit the whole product's columns;
     a dense Linear's likewise."""
-    from engine.models.llama import Linear, QuantLinear, output_rows
+    from engine.models.linears import Linear, QuantLinear, output_rows
 
     rng = np.random.default_rng(7)
     layer = QuantLinear(512, 72, bias=True, dtype=torch.float32)

@@ -13,7 +13,8 @@ from scipy.stats import chisquare
 
 from engine.core.request import _mix
 from engine.sampling.counter_rng import exponentials
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.rows import SamplingRow
+from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.verification.rejection import VerifyResult, rejection_sample, verify_by_sampling
 from engine.verification.rejection_reference import (

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.models.llama import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding
 
 HEAD_DIM = 64
 THETA = 500000.0

@@ -11,7 +11,9 @@ from scipy.stats import chisquare
 
 from engine.core.request import _mix
 from engine.sampling.reference import process_reference, sample_reference
-from engine.sampling.sampler import Sampler, SamplingRow, _prefix_sums
+from engine.sampling.rows import SamplingRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.truncation import prefix_sums
 from engine.sampling_params import SamplingParams
 
 EOS = (2, 7)
@@ -495,8 +497,8 @@ def test_top_p_heads_of_several_widths_match_reference() -> None:
 def test_prefix_sums_match_cumsum_and_ignore_width_and_rows() -> None:
     torch.manual_seed(5)
     values = torch.rand(3, 1000).softmax(dim=-1)  # [3, 1000]
-    sums = _prefix_sums(values)
+    sums = prefix_sums(values)
     torch.testing.assert_close(sums, values.double().cumsum(dim=-1).float())
     padded = torch.cat((values, torch.zeros(3, 700)), dim=1)  # [3, 1700]
-    assert torch.equal(_prefix_sums(padded)[:, :1000], sums)
-    assert torch.equal(_prefix_sums(values[1:2]), sums[1:2])
+    assert torch.equal(prefix_sums(padded)[:, :1000], sums)
+    assert torch.equal(prefix_sums(values[1:2]), sums[1:2])

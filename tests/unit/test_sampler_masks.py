@@ -10,7 +10,8 @@ import torch
 from scipy.stats import chisquare
 
 from engine.sampling.reference import process_reference
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.rows import SamplingRow
+from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.structured.masks import TokenMasks, new_masks, pack_masks, unpack_masks
 from tests.unit.test_sampler import _random_params

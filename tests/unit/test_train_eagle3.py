@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.core.chunks import SeqChunk
-from engine.models.eagle3 import REQUIRED_KEYS
+from engine.models.eagle3.checkpoint import REQUIRED_KEYS
 from engine.training.eagle3 import TrainConfig, make_head, train
 from engine.training.eagle3_data import Example, draft_vocabulary, read_prompts
 from engine.training.eagle3_data import TrainSequence as Seq
@@ -280,8 +280,9 @@ def test_features_recorded_while_generating_are_the_feature_pass_bits(target, tm
     chunks beside decodes, 16-token steps) are bit for bit what running the target over each
     finished sequence gives, at every position training reads; load_features takes them and
     runs the target over none of these sequences."""
-    from engine.training import eagle3_data
-    from engine.training.eagle3_data import Example, make_sequences, sequence_features
+    from engine.training import eagle3_features
+    from engine.training.eagle3_data import Example
+    from engine.training.eagle3_features import make_sequences, sequence_features
 
     llm = LLM(**{**_engine(target), "enable_prefix_caching": False})
     taps = (1, 2, 3)
@@ -291,7 +292,7 @@ def test_features_recorded_while_generating_are_the_feature_pass_bits(target, tm
     assert len(seqs) == 6 and len(list((features / "recorded").glob("*.pt"))) == 6
     engine = llm.engine
     for seq in seqs:
-        recorded = torch.load(eagle3_data._recorded_file(features, seq), weights_only=True)
+        recorded = torch.load(eagle3_features._recorded_file(features, seq), weights_only=True)
         passed = sequence_features(engine.runner, engine.block_manager, seq, taps, 16)
         n, p = len(seq.token_ids), seq.num_prompt_tokens
         assert torch.equal(recorded["token_ids"], passed["token_ids"])
@@ -305,12 +306,12 @@ def test_features_recorded_while_generating_are_the_feature_pass_bits(target, tm
     def no_pass(*args, **kwargs):
         raise AssertionError("the target ran over a recorded sequence")
 
-    original = eagle3_data.sequence_features
-    eagle3_data.sequence_features = no_pass
+    original = eagle3_features.sequence_features
+    eagle3_features.sequence_features = no_pass
     try:
-        loaded = eagle3_data.load_features(llm, seqs, taps, features, 4)
+        loaded = eagle3_features.load_features(llm, seqs, taps, features, 4)
     finally:
-        eagle3_data.sequence_features = original
+        eagle3_features.sequence_features = original
     assert len(loaded) == 6 and not list((features / "recorded").glob("*.pt"))
 
 

@@ -32,8 +32,8 @@ from engine.attention.torch_attn import TorchAttentionBackend  # noqa: E402
 from engine.core.chunks import SeqChunk  # noqa: E402
 from engine.execution.cuda_graphs import CudaGraphs, GraphableBackend  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.llama import RotaryEmbedding  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
+from engine.models.rope import RotaryEmbedding  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     PAGED_STEPS,
     PagedCase,

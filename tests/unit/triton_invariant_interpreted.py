@@ -35,7 +35,7 @@ from triton.runtime import interpreter  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.attention.triton_attn import TritonAttentionBackend  # noqa: E402
 from engine.kernels import triton_invariant  # noqa: E402
-from engine.models.llama import enable_batch_invariant  # noqa: E402
+from engine.models.linears import enable_batch_invariant  # noqa: E402
 from tests.integration.test_batch_invariance import check_step_shapes  # noqa: E402
 
 
