@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
@@ -126,8 +125,10 @@ class EngineConfig:
             "our kernels build, else torch), torch, cpu or flash_attn"
         ),
     ] = "auto"
+    # Parsed at the edges (`LLM(speculative_config={...})`, the server's settings: a mapping, JSON
+    # in a flag or variable), so the engine only ever sees a SpeculativeConfig or None.
     speculative_config: Annotated[
-        Mapping[str, Any] | SpeculativeConfig | None,
+        SpeculativeConfig | None,
         Field(
             description="speculative decoding, a mapping (JSON in a flag or variable), e.g. "
             '\'{"method": "ngram", "num_speculative_tokens": 4}\''
@@ -165,7 +166,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
-            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
+            raise TypeError(
+                f"speculative_config must be a SpeculativeConfig or None, got "
+                f"{type(spec).__name__}: LLM(...) and the server's settings take a mapping and "
+                "parse it (SpeculativeConfig.from_dict)."
+            )
         for name, declared in _declarations().items():
             _check_declared(name, declared, getattr(self, name))
         self._resolve_hardware()
@@ -200,7 +205,7 @@ class EngineConfig:
         "auto" (see `torch_dtype`), and the draft model's when speculative_config names one."""
         dtypes = {} if self.dtype == "auto" else {"dtype": str(self.dtype)}
         spec = self.speculative_config
-        draft_dtype = spec.draft_dtype if isinstance(spec, SpeculativeConfig) else None
+        draft_dtype = spec.draft_dtype if spec is not None else None
         if draft_dtype is not None:
             if draft_dtype not in _DTYPES:
                 raise ValueError(

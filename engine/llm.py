@@ -11,6 +11,7 @@ from engine.engine import LLMEngine
 from engine.models.generation_defaults import load_generation_defaults
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.speculative_config import SpeculativeConfig
 from engine.text.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -21,10 +22,13 @@ class LLM:
     """Generate offline: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are the fields of `EngineConfig` (dtype, max_num_seqs, block_size,
-    num_kv_blocks, kv_cache_memory, enable_prefix_caching, speculative_config, ...).
+    num_kv_blocks, kv_cache_memory, enable_prefix_caching, speculative_config, ...);
+    speculative_config may be a mapping, as vLLM's LLM takes it.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if "speculative_config" in kwargs:
+            kwargs["speculative_config"] = SpeculativeConfig.parse(kwargs["speculative_config"])
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         # Read once: a file that no request could use stops the LLM here, as it stops a server.
         self._defaults = load_generation_defaults(self.engine.model_config.path)

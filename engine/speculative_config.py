@@ -105,6 +105,18 @@ class SpeculativeConfig:
         return next((m for m in self.methods if m in MODEL_DRAFTERS), None)
 
     @classmethod
+    def parse(cls, value: Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """What the edges (LLM, the server's settings) hand the engine: a mapping parsed, a
+        SpeculativeConfig or None as they are; ValueError naming what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"speculative_config must be a mapping (JSON object), got {type(value).__name__}."
+            )
+        return cls.from_dict(value)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

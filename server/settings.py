@@ -47,6 +47,8 @@ def _engine_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
         kind, *infos = get_args(declared[f.name])
+        if f.name == "speculative_config":
+            kind = Mapping[str, Any]  # the edge: a mapping here, parsed by engine_kwargs
         if f.default is None:
             kind = kind | None
         default = ... if f.default is dataclasses.MISSING else f.default
@@ -221,9 +223,13 @@ class Settings(_EngineSettings):  # type: ignore[misc,valid-type]
         return RequestLimits(**self.model_dump(include=names))
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `EngineConfig` (those left unset are left out)."""
+        """The keyword arguments of `EngineConfig` (those left unset are left out), the
+        speculative config parsed into a SpeculativeConfig."""
         values = self.model_dump(include=set(ENGINE_FIELDS))
-        return {name: value for name, value in values.items() if value is not None}
+        kwargs = {name: value for name, value in values.items() if value is not None}
+        if "speculative_config" in kwargs:
+            kwargs["speculative_config"] = SpeculativeConfig.parse(kwargs["speculative_config"])
+        return kwargs
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.engine_kwargs())

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
-from engine.speculative_config import SpeculativeConfig
 
 MAX_CAPTURE_TOKENS = 512
 
@@ -42,7 +41,6 @@ def verify_query_len(config: EngineConfig) -> int:
     """The longest query one sequence has in a served decode/verify step of the target: 1 + the
     speculative config's num_speculative_tokens (1 without speculation)."""
     spec = config.speculative_config
-    assert spec is None or isinstance(spec, SpeculativeConfig)
     return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import textwrap
 
@@ -53,7 +54,9 @@ def test_speculative_config_flag_is_json():
 )
 def test_bad_speculative_config(spec, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="m", speculative_config=spec)
+        SpeculativeConfig.parse(spec)
+    with pytest.raises(SystemExit, match=message):  # the settings refuse it before any load
+        load_engine_settings(None, _args(model="m", speculative_config=json.dumps(spec)))
 
 
 def test_no_model_is_an_error():
@@ -78,7 +81,8 @@ def test_yaml_then_environment_then_flags(tmp_path):
     assert (settings.port, settings.max_num_seqs, settings.max_queue) == (9002, 5, 7)
     assert settings.api_key == "from-yaml" and settings.model_name == "m"
     assert settings.cors_allow_origins == ["http://a", "http://b"]
-    assert settings.engine_kwargs()["speculative_config"] == {"method": "ngram"}
+    # EngineConfig's keyword arguments: the YAML's mapping parsed at this edge.
+    assert settings.engine_kwargs()["speculative_config"] == SpeculativeConfig("ngram")
     assert "port" not in settings.engine_kwargs()
 
 

@@ -19,6 +19,7 @@ import engine.kernels
 from engine.attention import BACKENDS, check_attention_backend
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
+from engine.speculative_config import SpeculativeConfig
 from server.cli import build_parser, load_cli_settings
 from server.settings import ENGINE_FIELDS, Settings, load_settings
 
@@ -234,17 +235,36 @@ def test_draft_dtype_is_checked_against_the_backend(monkeypatch):
         EngineConfig(
             model="m",
             attention_backend="flash_attn",
-            speculative_config={**spec, "draft_dtype": "float32"},
+            speculative_config=SpeculativeConfig(**spec, draft_dtype="float32"),
         )
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
-        EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "fp8"})
-    config = EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "float16"})
+        EngineConfig(model="m", speculative_config=SpeculativeConfig(**spec, draft_dtype="fp8"))
+    config = EngineConfig(
+        model="m", speculative_config=SpeculativeConfig(**spec, draft_dtype="float16")
+    )
     assert config.attention_backend == "flash_attn"
     cpu_node(monkeypatch)
-    config = EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "float32"})
+    config = EngineConfig(
+        model="m", speculative_config=SpeculativeConfig(**spec, draft_dtype="float32")
+    )
     assert config.attention_backend == "cpu"
-    config = EngineConfig(model="m", speculative_config={**spec, "draft_dtype": "float16"})
+    config = EngineConfig(
+        model="m", speculative_config=SpeculativeConfig(**spec, draft_dtype="float16")
+    )
     assert config.attention_backend == "torch"  # the cpu backend has no float16 kernel
+
+
+def test_the_engine_config_takes_a_parsed_speculative_config():
+    # The edges parse a mapping (LLM(...), the server's settings); the engine sees only the type.
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(TypeError, match="must be a SpeculativeConfig or None, got dict"):
+        EngineConfig(model="m", speculative_config=spec)  # type: ignore[arg-type]
+    parsed = SpeculativeConfig.parse(spec)
+    assert parsed == SpeculativeConfig("ngram", num_speculative_tokens=2)
+    assert SpeculativeConfig.parse(parsed) is parsed and SpeculativeConfig.parse(None) is None
+    with pytest.raises(ValueError, match="must be a mapping"):
+        SpeculativeConfig.parse("ngram")  # type: ignore[arg-type]
+    assert EngineConfig(model="m", speculative_config=parsed).speculative_config is parsed
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.01, 2])
