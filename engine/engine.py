@@ -17,19 +17,20 @@ from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk, attention_reads
 from engine.core.counters import PolicyStats, SpecStats
 from engine.core.drafts import Draft
+from engine.core.emitted import StepTokens
 from engine.core.request import Request, RequestStatus
 from engine.core.schedule import SchedulerOutput
 from engine.core.stats import StepStats, VerifyResult
 from engine.drafters.speculator import shadow_result
 from engine.outputs import RequestOutput
 from engine.requests.admission import compile_grammar, encode_prompt, resolve_max_tokens
-from engine.requests.group import RequestGroup, append_tokens, new_group
+from engine.requests.group import RequestGroup, new_group
+from engine.requests.stop_conditions import append_tokens
 from engine.sampling_params import SamplingParams
 from engine.structured.state import GrammarState
 from engine.telemetry.serving_metrics import EngineMetrics
 from engine.telemetry.step_trace import StepTrace
 from engine.text.detokenizer import IncrementalDetokenizer
-from engine.verification.verifier import StepTokens
 
 _SEED_MODULUS = 2**64
 

@@ -120,7 +120,7 @@ class PolicyStats:
     (k > 0) with a reason of SPECULATE_REASONS, or "skip" (k = 0) with one of SKIP_REASONS.
     Every step also counts, under the mode it was decided in, its seconds and the tokens it
     generated: what each mode earns while it runs, when an operator switches modes on a live
-    server (bench/policy.py compares modes that way, slice by slice under one load).
+    server (bench/policy/run.py compares modes that way, slice by slice under one load).
     """
 
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (decision, reason)

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from engine.core.chunks import SeqChunk
 from engine.core.drafts import Draft, DraftOffer
+from engine.core.emitted import StepTokens
 from engine.core.request import Request
 from engine.core.schedule import ScheduledRequest, SchedulerOutput
 from engine.core.stats import DraftTiming, VerifyResult
@@ -28,7 +29,6 @@ from engine.drafters.drafting_loop import ModelDrafter
 from engine.drafters.proposer import Proposer
 from engine.drafters.registry import DrafterContext, make_proposer
 from engine.speculative_config import DEFAULT_PREDICTION_TOKENS
-from engine.verification.verifier import StepTokens
 
 
 class Speculator:

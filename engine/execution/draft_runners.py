@@ -1,5 +1,6 @@
-"""What the engine loads besides the target's runner: the draft model's runner (its vocabulary
-checked against the target's) and the tokenizer, where the checkpoint has one."""
+"""The model drafter's runner, loaded beside the target's before the KV budget is measured: a
+draft model's (its vocabulary checked against the target's) or an EAGLE-3 head's (checked
+against the target, its taps set on the target model)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 FMA, converting the weight on the fly, and `f32_linear` by a float32 weight with the same tiles:
 decode and verify steps are a few rows, and their time is the weight bytes read. torch's own
 bfloat16 matmuls on a CPU without native bfloat16 instructions convert through slower paths
-(`python bench/kernels.py` compares them). On a CPU with AVX-512 BF16 `bf16_linear` multiplies
+(`python -m bench.kernels` compares them). On a CPU with AVX-512 BF16 `bf16_linear` multiplies
 bfloat16 pairs directly (VDPBF16PS, no conversion of the weight); SPECSERVE_CPU_ISA=avx2 keeps
 the AVX2 path there, and the start-up log names the one in use.
 `quant_linear` (cpu_quant.cpp) multiplies by GGUF blocks; on a CPU with AVX-512 (`quant_isa`)

@@ -244,7 +244,7 @@ constexpr int64_t kRowChunk = 16;
 // bigger than kOnePassBytes: the tile's activations for one chunk (at most 8 rows of 1024
 // floats, 32 KiB) stay in L1 across the weight rows, where a whole row of a wide product (the
 // MLP's down projection: 8960 columns, 215 KiB for 6 rows) would be read from L2 again for
-// every weight row (`python bench/kernels.py --gguf` times that projection as its Q6_K8 table).
+// every weight row (`python -m bench.kernels --gguf` times that projection as its Q6_K8 table).
 constexpr int64_t kColumnChunk = 1024;
 // A tile whose activations are no bigger than this (bytes) is taken in one pass: they stay in
 // L1 and L2 anyway, and one pass prefetches each weight row straight through.
@@ -342,7 +342,7 @@ void dot_rows_pairs(const uint8_t* w, int64_t row_bytes, const float* xi, const 
 // the group sums as in the AVX2 form. The 8 weight vectors of a half block are made once for all
 // the rows of a pass, and a row gets the same operations in the same order however many rows
 // share it; on AVX-512 CPUs every Q4_K product takes this form, so single rows and batches agree.
-// On an AVX-512 Xeon (`python bench/kernels.py --gguf`, the Q4_K table) it reads 1.24x as fast
+// On an AVX-512 Xeon (`python -m bench.kernels --gguf`, the Q4_K table) it reads 1.24x as fast
 // as the AVX2 form at 1 row and 1.36-1.49x at 2-16. Rows per pass: 6 (8 measured no faster).
 constexpr int64_t kMaxQ4KTile = 6;
 

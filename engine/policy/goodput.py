@@ -2,7 +2,7 @@
 
 goodput(k) = Σ_i E(alpha_i, k_i) / (t(n + Σ k, reads(Σ k), rows + Σ k) + draft seconds(k)),
 where n and rows are the step's query tokens and logits rows without drafts, reads its attention's
-KV reads with Σ k drafts (each draft reads about a decoding sequence's length; engine/speculation/
+KV reads with Σ k drafts (each draft reads about a decoding sequence's length; engine/policy/
 step_time.py), E the tokens a verify emits (engine/policy/acceptance.py) and draft seconds
 what proposing the drafts costs.
 """

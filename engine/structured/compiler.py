@@ -1,7 +1,7 @@
 """`GrammarCompiler`: a `StructuredOutput` compiled against the model's tokenizer.
 
 Built on xgrammar, chosen by measuring the per-token mask cost at the Qwen vocabulary (151,936
-tokens) on a CPU against llguidance (`bench/grammar_mask.py`; figures in docs/performance.md). Compiling
+tokens) on a CPU against llguidance (`bench/structured/grammar_mask.py`; figures in docs/performance.md). Compiling
 costs milliseconds to seconds for a big schema, so the server compiles off the engine thread
 (its tokenizer worker) and the engine, adding the request, finds the grammar in this cache. The
 cache is an LRU keyed by the constraint; its lock is held for dictionary operations only, never

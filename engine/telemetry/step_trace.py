@@ -11,7 +11,7 @@ engine only appends, and a write that fails turns the trace off (logged once) ra
 step.
 
     SPECSERVE_STEP_TRACE=/tmp/steps.jsonl specserve serve ...
-    python bench/step_trace.py /tmp/steps.jsonl     # per mode: step time, tokens, overhead
+    python -m bench.policy.step_trace /tmp/steps.jsonl     # per mode: step time, tokens, overhead
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def step_record(
     predicted: float = 0.0,
     correction: float = 1.0,
 ) -> dict[str, object]:
-    """The trace's line for one step (its keys are bench/step_trace.py's); `predicted`, the
+    """The trace's line for one step (its keys are bench/policy/step_trace.py's); `predicted`, the
     step-time model's forward seconds for the step's shape before it learned from the step, and
     `correction`, the factor a step with drafts was priced with (engine/policy/costs.py)."""
     drafting = [d for d in stats.decisions if d.num_draft_tokens > 0]

@@ -25,11 +25,11 @@ The state rolls back after the masks are built; the engine advances it by the em
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.core.drafts import Draft
+from engine.core.emitted import StepTokens
 from engine.core.request import Request
 from engine.outputs import TokenLogprob
 from engine.runtime.device import to_device
@@ -38,16 +38,6 @@ from engine.sampling.rows import VERIFY_STREAM, SamplingRow, sampling_rows
 from engine.sampling.sampler import Sampler, SamplerOutput, with_logprobs
 from engine.structured.masks import TokenMasks, new_masks
 from engine.verification.rejection import rejection_sample, verify_by_sampling
-
-
-@dataclass(frozen=True)
-class StepTokens:
-    """What one request emitted this step."""
-
-    token_ids: list[int]  # 1 + num_accepted tokens
-    num_draft_tokens: int  # drafts verified
-    num_accepted: int  # drafts accepted (the recovered or bonus token excluded)
-    logprobs: list[TokenLogprob] | None
 
 
 class Verifier:

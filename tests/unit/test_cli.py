@@ -202,3 +202,16 @@ def test_generation_config_is_auto_or_none(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--generation-config", "off"])
     assert "argument --generation-config: invalid choice: 'off'" in capsys.readouterr().err
+
+
+def test_the_engine_config_takes_a_parsed_speculative_config():
+    # The edges parse a mapping (LLM(...), the server's settings); the engine sees only the type.
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(TypeError, match="must be a SpeculativeConfig or None, got dict"):
+        EngineConfig(model="m", speculative_config=spec)  # type: ignore[arg-type]
+    parsed = SpeculativeConfig.parse(spec)
+    assert parsed == SpeculativeConfig("ngram", num_speculative_tokens=2)
+    assert SpeculativeConfig.parse(parsed) is parsed and SpeculativeConfig.parse(None) is None
+    with pytest.raises(ValueError, match="must be a mapping"):
+        SpeculativeConfig.parse("ngram")  # type: ignore[arg-type]
+    assert EngineConfig(model="m", speculative_config=parsed).speculative_config is parsed

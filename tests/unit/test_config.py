@@ -254,19 +254,6 @@ def test_draft_dtype_is_checked_against_the_backend(monkeypatch):
     assert config.attention_backend == "torch"  # the cpu backend has no float16 kernel
 
 
-def test_the_engine_config_takes_a_parsed_speculative_config():
-    # The edges parse a mapping (LLM(...), the server's settings); the engine sees only the type.
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(TypeError, match="must be a SpeculativeConfig or None, got dict"):
-        EngineConfig(model="m", speculative_config=spec)  # type: ignore[arg-type]
-    parsed = SpeculativeConfig.parse(spec)
-    assert parsed == SpeculativeConfig("ngram", num_speculative_tokens=2)
-    assert SpeculativeConfig.parse(parsed) is parsed and SpeculativeConfig.parse(None) is None
-    with pytest.raises(ValueError, match="must be a mapping"):
-        SpeculativeConfig.parse("ngram")  # type: ignore[arg-type]
-    assert EngineConfig(model="m", speculative_config=parsed).speculative_config is parsed
-
-
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.01, 2])
 def test_gpu_memory_utilization_must_be_in_0_1(value):
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):

@@ -31,6 +31,7 @@ import yaml
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.cuda_graphs import NOT_CAPTURED
+from engine.speculative_config import SpeculativeConfig
 from tests.gpu.smoke.models import ModelPair
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ def engine_config(
     settings.update(overrides)
     if settings.get("batch_invariant"):  # the mode takes its own attention backend
         settings.update(attention_backend="auto", block_size=None, speculative_config=None)
+    # The preset's mapping, parsed as the server's settings parse it.
+    settings["speculative_config"] = SpeculativeConfig.parse(settings["speculative_config"])
     return EngineConfig(**settings)
 
 
