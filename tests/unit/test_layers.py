@@ -6,6 +6,7 @@ above it, the scheduler knows the policy only through its interface, and no modu
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,49 @@ def test_no_module_over_400_lines(package):
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def _sections(markdown: str) -> list[tuple[str, str]]:
+    """(heading, body) of every section of a markdown page."""
+    parts = re.split(r"^(#+ .*)$", markdown, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _only_a_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return len(body) <= 1 and all(isinstance(n, ast.Expr) for n in body)
+
+
+@pytest.mark.parametrize("package", ["engine", "server"])
+def test_the_architecture_page_names_every_module(package):
+    """docs/architecture.md lists every module: by its path under the package (`core/request.py`)
+    or, in a section headed with a folder above it (`### engine/models/`), by its path under that
+    folder (`eagle3/head.py`). A package whose __init__.py holds only its docstring is named by
+    its heading."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    sections = [
+        (re.findall(r"(?:engine|server)/(?:\w+/)*", heading), body)
+        for heading, body in _sections(page)
+    ]
+    missing = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if f"`{path.relative_to(ROOT / package).as_posix()}`" in page:
+            continue
+        folder = name.rpartition("/")[0] + "/"
+        if path.name == "__init__.py" and _only_a_docstring(path):
+            # Its package is named: a heading holds the folder, or a row holds a module in it.
+            if any(folder in folders for folders, _ in sections) or any(
+                folder.startswith(f) and f"`{folder[len(f) :]}" in body
+                for folders, body in sections
+                for f in folders
+            ):
+                continue
+        elif any(
+            name.startswith(f) and f"`{name[len(f) :]}`" in body
+            for folders, body in sections
+            for f in folders
+        ):
+            continue
+        missing.append(name)
+    assert missing == []
