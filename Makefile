@@ -106,6 +106,7 @@ gpu-wheels: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Deployment artifacts without Docker or a cluster: hadolint, compose schema, Helm render +
 # Kubernetes schemas, dashboard PromQL (tests/unit/deploy/ also runs in `make test`).

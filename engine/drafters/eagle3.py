@@ -36,6 +36,8 @@ from engine.core.chunks import SeqChunk
 from engine.core.request import Request
 from engine.drafters.drafting_loop import Drafted, ModelDrafter
 from engine.execution.runner import ModelRunner
+from engine.models.eagle3.head import Eagle3Head
+from engine.models.llama import LlamaForCausalLM
 from engine.sampling.sampler import Sampler
 from engine.scheduling.block_manager import BlockManager
 
@@ -76,8 +78,11 @@ class Eagle3Proposer(ModelDrafter):
         min_confidence: float = 0.0,
     ) -> None:
         super().__init__(runner, sampler, min_confidence, target.model_config.vocab_size)
+        assert isinstance(runner.model, Eagle3Head), "an EAGLE-3 head's runner"
+        assert isinstance(target.model, LlamaForCausalLM), "a head taps a Llama-family target"
         self.head = runner.model
         self.target = target
+        self.target_model = target.model
         self.block_manager = block_manager
         self._states: dict[str, _HeadState] = {}
         self._chain: dict[str, torch.Tensor] = {}  # request -> the last chained output [H]
@@ -113,8 +118,8 @@ class Eagle3Proposer(ModelDrafter):
     def extend(self, spans: Sequence[ExtendSpan]) -> None:
         """Write the head's KV at every span's positions from the target's taps of the step just
         run, and keep each request's last token and h for its next first draft."""
-        taps = self.target.model.aux_hidden  # [step tokens, n_aux * H_target]
-        self.target.model.aux_hidden = None  # used once; never kept across steps
+        taps = self.target_model.aux_hidden  # [step tokens, n_aux * H_target]
+        self.target_model.aux_hidden = None  # used once; never kept across steps
         spans = [span for span in spans if span.token_ids]
         chunks, rows, lasts = [], [], []
         for span in spans:

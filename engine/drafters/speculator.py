@@ -111,14 +111,14 @@ class Speculator:
             n = chunks.get(s.request.request_id, 0)
             if n and not s.num_draft_tokens and s.offer is not None:
                 catch_up.setdefault(s.offer.source, []).append((s.request, n))
-        for proposer in self._model_drafters():
-            granted = by_model.get(proposer.name, [])
-            behind = catch_up.get(proposer.name, [])
+        for drafter in self._model_drafters():
+            granted = by_model.get(drafter.name, [])
+            behind = catch_up.get(drafter.name, [])
             if behind:
-                proposer.catch_up(behind)
+                drafter.catch_up(behind)
             if not granted and not behind:
                 continue
-            found = proposer.propose(
+            found = drafter.propose(
                 [s.request for s in granted], [s.num_draft_tokens for s in granted]
             )
             for s, draft in zip(granted, found, strict=True):

@@ -16,6 +16,7 @@ from engine.models.bundled import resolve_model
 from engine.models.config import ModelConfig
 from engine.models.eagle3.checkpoint import load_head
 from engine.models.eagle3.config import Eagle3Config
+from engine.models.llama import LlamaForCausalLM
 from engine.runtime.startup import startup_phase
 from engine.speculative_config import SpeculativeConfig
 
@@ -60,6 +61,8 @@ def load_head_runner(
             path = resolve_model(spec.model)
     head = Eagle3Config.from_path(path)
     head.check_target(target.model_config)
+    target_model = target.model
+    assert isinstance(target_model, LlamaForCausalLM), "a head taps a Llama-family target"
     layers = head.aux_layers(target.model_config.num_layers)
     dtype = target.dtype if spec.draft_dtype is None else getattr(torch, spec.draft_dtype)
     if spec.draft_quantization:
@@ -79,11 +82,11 @@ def load_head_runner(
                     f"{head.hidden_size}; the target's embedding it would share is "
                     f"{target.model_config.hidden_size} wide."
                 )
-            model.share_embedding(target.model.embed_tokens)
+            model.share_embedding(target_model.embed_tokens)
         if spec.draft_quantization:
             model.quantize(spec.draft_quantization, config.gguf_activations == "int8")
         runner = ModelRunner(config, cfg, max_positions, dtype, model=model)
-    target.model.aux_layers = layers
+    target_model.aux_layers = layers
     return runner
 
 

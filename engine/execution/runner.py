@@ -19,9 +19,10 @@ from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
 from engine.execution.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.models.config import ModelConfig
+from engine.models.eagle3.head import Eagle3Head
 from engine.models.gguf import load_quantized
 from engine.models.linears import enable_batch_invariant
-from engine.models.llama import ForwardContext
+from engine.models.llama import ForwardContext, LlamaForCausalLM
 from engine.models.loader import load_model, quantization_of
 from engine.models.rope import RotaryEmbedding
 from engine.runtime.device import Device
@@ -42,13 +43,15 @@ class ModelRunner:
         model_config: ModelConfig,
         max_positions: int,
         dtype: torch.dtype | None = None,
-        model: torch.nn.Module | None = None,
+        model: Eagle3Head | None = None,
     ) -> None:
         self.config = config
         self.device = Device(config.torch_device())
         self.model_config = model_config
         self.name = model_config.path.name
         self.block_size = config.block_size
+        # The target (or a draft model) from its checkpoint, or an EAGLE-3 head its owner built.
+        self.model: LlamaForCausalLM | Eagle3Head
         if model is not None:  # built and loaded by its owner (an EAGLE-3 head), in dtype
             assert dtype is not None
             self.dtype, self.int8_activations, self.model = dtype, False, model
@@ -162,6 +165,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.kv_states(chunks, hidden) is not NOT_CAPTURED:
             return
         _, ctx, ids = self.step_inputs(chunks)
+        assert isinstance(self.model, Eagle3Head), "only a head writes its K/V alone"
         self.model.write_kv(ids, ctx, hidden)
 
     @torch.inference_mode()

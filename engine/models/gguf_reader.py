@@ -57,7 +57,7 @@ def open_gguf(path: Path) -> GgufFile:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
+    buf = raw.data  # a memoryview of the mapped bytes
     pos = 0
 
     def take(fmt: str) -> tuple:

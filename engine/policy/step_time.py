@@ -94,6 +94,8 @@ class StepTimeModel:
         # lifts t(2) with it, and t(2) comes back down only through steps of two tokens, which
         # the policy, now pricing them too dear, stops taking. Kept apart, t(2) is back when
         # t(1) is.
+        self.learned: list[float] = []
+        self.values: list[float] = []
         self.rescale(values)
         self.context_coef = max(float(context_coef), 0.0)
         self.row_coef = max(float(row_coef), 0.0)

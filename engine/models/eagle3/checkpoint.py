@@ -98,7 +98,11 @@ def load_head(
     files. Every required tensor must be there in its published shape; the error names what is
     missing or misshapen."""
     where = f"EAGLE-3 head {head.path or ''}".rstrip()
-    given = dict(tensors) if tensors is not None else dict(read_head_tensors(head.path))
+    if tensors is None:
+        if head.path is None:
+            raise ValueError(f"{where}: no tensors given and no directory to read them from.")
+        tensors = dict(read_head_tensors(head.path))
+    given = dict(tensors)
     missing = [k for k in REQUIRED_KEYS if k not in given]
     if head.draft_vocab_size == head.vocab_size and "d2t" in missing:
         missing.remove("d2t")  # a full-vocabulary head needs no mapping

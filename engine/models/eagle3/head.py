@@ -76,6 +76,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, head.rms_norm_eps, dtype)
         self.lm_head = Linear(h, head.draft_vocab_size, bias=False, device="meta", dtype=dtype)
         self.embed_tokens: nn.Embedding | None = None  # the head's own, when it has one
+        self.draft_to_target: torch.Tensor  # the buffer below
         self._shared_embed: list[nn.Module] = []  # the target's, held outside the module tree
         # draft id -> target id (arange + d2t), a buffer filled by the loader.
         self.register_buffer(
