@@ -173,7 +173,7 @@ class FeatureRecorder:
     """Records, while the target generates, every position each request computes: the inputs of
     the tapped layers, the final hidden state and (where the step asked for logits) the argmax.
     On a batch-invariant forward these are the bits `sequence_features` gets by running the
-    target over the finished sequence (tests/unit/test_train_eagle3.py), so generating the
+    target over the finished sequence (tests/unit/test_train_eagle3_data.py), so generating the
     responses makes their features too. A chunk's request is known by its first block (the
     trainer's engine caches no prefix, so no two requests share a block); the engine runs
     eagerly here (a replayed graph would not show its final hidden state to the hook)."""

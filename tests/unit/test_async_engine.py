@@ -14,6 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.speculative_config import SpeculativeConfig
 from server.async_engine import AsyncEngine
 from tests.conftest import TINY_VOCAB
 from tests.unit.async_helpers import (
@@ -80,7 +81,7 @@ def test_slow_consumer_sees_every_delta(tiny_llama):
 
 
 def test_streamed_deltas_add_up_to_the_offline_output_under_speculation(tiny_llama):
-    ngram = dict(method="ngram", mode="always", num_speculative_tokens=3, prompt_lookup_min=1)
+    ngram = SpeculativeConfig("ngram", mode="always", num_speculative_tokens=3, prompt_lookup_min=1)
     spec = {**CONFIG, "speculative_config": ngram}
     params = SamplingParams(n=2, temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
     prompt = [7, 8, 9, 10, 11] * 6  # repetitive: drafts are accepted, steps add several tokens

@@ -1,11 +1,9 @@
-"""CUDA graphs for decode/verify steps, checked on CPU with the CUDA pieces faked.
-
-The fakes: a capture device whose "graph" re-runs the captured callable on replay (writing into
-the output tensor it returned at capture, as a real graph writes into its captured memory), and a
-plain-torch flash_attn_varlen_func with the kernel's contract asserted (int32 offsets, query and
-key lengths within the fixed maxima, one query token per entry on the single-query path) and NaN
-in every output row no sequence covers. The graph path then runs the real padding, static
-metadata and replay logic, and must give the logits the eager torch-backend forward gives.
+"""CUDA graphs for decode/verify steps, checked on CPU with the CUDA pieces faked
+(tests/unit/cuda_graph_fakes.py). The graph path runs the real padding, static metadata and
+replay logic, and must give the logits and K/V the eager torch-backend forward gives; padding
+writes only the pad block; a step takes the smallest bucket that holds it and runs eagerly where
+none does; capture goes largest first; and the draft model's first forward of a step replays a
+captured graph, whose buckets stay within the memory plan.
 """
 
 from __future__ import annotations
@@ -20,129 +18,27 @@ import torch
 
 from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
-from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
-from engine.execution import cuda_graphs, graph_buckets
+from engine.execution import graph_buckets
 from engine.execution.cuda_graphs import NOT_CAPTURED, CudaGraphs, make_cuda_graphs
-from engine.execution.graph_buckets import MAX_CAPTURE_TOKENS, Bucket, capture_sizes
+from engine.execution.graph_buckets import MAX_CAPTURE_TOKENS, Bucket
 from engine.execution.runner import ModelRunner
-from engine.models.config import ModelConfig
-from engine.models.loader import load_model
-from engine.models.rope import RotaryEmbedding
-from engine.runtime.device import Device
-
-BLOCK_SIZE = 256  # flash-attn's page size
-NUM_BLOCKS = 6  # blocks requests own; the pad block is one more
-MAX_MODEL_LEN = 512
-
-
-def reference_varlen(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor,  # [num_seqs + 1] int32
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """flash_attn_varlen_func over a paged cache, in plain torch: each sequence's queries attend
-    to the first seq_len keys its block table points at, causally aligned to the bottom right."""
-    assert causal
-    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == block_table.dtype == torch.int32
-    num_seqs = cu_seqlens_q.numel() - 1
-    assert cu_seqlens_k.numel() == num_seqs + 1 and block_table.shape[0] == num_seqs
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if max_seqlen_q == 1 and num_heads > num_kv_heads:
-        # flash-attn's single-query path ignores cu_seqlens_q: one query token per entry.
-        assert q.shape[0] == num_seqs
-        assert cu_seqlens_q.tolist() == list(range(num_seqs + 1))
-    bs = k_cache.shape[1]
-    out = torch.full_like(q, float("nan"))  # the kernel leaves uncovered rows unwritten
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(num_seqs):
-        q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        assert 0 <= q_len <= max_seqlen_q and 0 <= k_len <= max_seqlen_k
-        if q_len == 0:
-            continue
-        assert q_len <= k_len
-        blocks = block_table[b, : -(-k_len // bs)].long()
-        assert int(blocks.max()) < k_cache.shape[0]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:k_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:k_len]
-        groups = num_heads // num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[cu_q[b] : cu_q[b + 1]], k) * softmax_scale
-        q_pos = torch.arange(k_len - q_len, k_len)[:, None]
-        scores = scores.masked_fill(torch.arange(k_len)[None, :] > q_pos, float("-inf"))
-        out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
-
-
-class FakeGraph:
-    """Replay re-runs the captured callable into the tensor (or tensors) the capture returned."""
-
-    def __init__(self, fn, out: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
-        self.fn, self.out, self.num_replays = fn, out, 0
-
-    def replay(self) -> None:
-        self.num_replays += 1
-        new = self.fn()
-        if self.out is None:  # a graph whose work is its writes (K/V only)
-            assert new is None
-        elif isinstance(self.out, tuple):
-            for out, value in zip(self.out, new, strict=True):
-                out.copy_(value)
-        else:
-            self.out.copy_(new)
-
-
-class FakeCaptureDevice:
-    """Records what was captured, in order; host copies are synchronous on CPU."""
-
-    def __init__(self) -> None:
-        self.graphs: list[FakeGraph] = []
-
-    def capture(self, fn):
-        out = fn()
-        self.graphs.append(FakeGraph(fn, out))
-        return self.graphs[-1], out
-
-    def copies_queued(self) -> None:
-        pass
-
-    def wait_copies(self) -> None:
-        pass
+from tests.unit.cuda_graph_fakes import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    NUM_BLOCKS,
+    FakeCaptureDevice,
+    FakeCudaDevice,
+    _config,
+    _runner,
+    load_model_parts,
+    reference_varlen,
+)
 
 
 @pytest.fixture(scope="module")
 def model_parts(tiny_llama):
-    cfg = ModelConfig.from_path(tiny_llama)
-    model = load_model(cfg, torch.float32, torch.device("cpu"))
-    rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, MAX_MODEL_LEN, torch.device("cpu"))
-    return cfg, model, rope
-
-
-def _runner(model_parts, backend, num_blocks: int) -> SimpleNamespace:
-    """A runner-like object: what ModelRunner.forward and CudaGraphs read."""
-    cfg, model, rope = model_parts
-    shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    runner = SimpleNamespace(
-        model=model,
-        rope=rope,
-        backend=backend,
-        block_size=BLOCK_SIZE,
-        pad_block=NUM_BLOCKS,
-        dtype=torch.float32,
-        device=Device("cpu"),
-        kv_caches=tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)),
-        graphs=None,
-    )
-    runner.step_inputs = lambda chunks: ModelRunner.step_inputs(runner, chunks)  # type: ignore[arg-type]
-    return runner
+    return load_model_parts(tiny_llama)
 
 
 def eager(runner: SimpleNamespace, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -275,65 +171,6 @@ def test_capture_is_largest_first_into_one_pool(pair):
     assert sorted(sizes) == sorted(t for s in SIZES.values() for t in s)
 
 
-def test_capture_sizes():
-    assert capture_sizes(16) == (1, 2, 4, 8, 16)
-    assert capture_sizes(20, smallest=2) == (2, 4, 8, 16, 20)
-    assert capture_sizes(300)[-3:] == (256, 288, 300)
-    assert capture_sizes(1, smallest=2) == ()
-
-
-# ------------------------------------------------------------------------------ make_cuda_graphs
-
-
-class FakeCudaDevice(Device):
-    """Says CUDA, allocates on the CPU: lets make_cuda_graphs run its CUDA branch here."""
-
-    def __init__(self) -> None:
-        super().__init__("cpu")
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-    def memory_info(self) -> tuple[int, int] | None:
-        return None
-
-
-def _config(tiny_llama, **kwargs) -> EngineConfig:
-    return EngineConfig(model=str(tiny_llama), device="cpu", **kwargs)
-
-
-def test_make_cuda_graphs_derives_buckets_from_the_config(model_parts, tiny_llama):
-    runner = _runner(model_parts, FlashAttentionBackend(reference_varlen), NUM_BLOCKS + 1)
-    runner.device = FakeCudaDevice()
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    config = _config(tiny_llama, max_num_seqs=4, speculative_config=spec)
-    graphs = make_cuda_graphs(runner, config, capture=FakeCaptureDevice())
-    assert graphs is not None
-    decode = [Bucket(1, t) for t in (1, 2, 4)]
-    verify = [Bucket(4, t) for t in (2, 4, 8, 16)]  # 4 sequences x (1 + 3 drafts)
-    assert graphs.buckets == (*decode, *verify)
-    config = _config(tiny_llama, max_num_seqs=4, max_num_batched_tokens=10, speculative_config=spec)
-    graphs = make_cuda_graphs(runner, config, capture=FakeCaptureDevice())
-    assert graphs is not None and graphs.buckets[-1] == Bucket(4, 10)
-    # max_query_len 1: decode graphs only.
-    graphs = make_cuda_graphs(runner, config, max_query_len=1, capture=FakeCaptureDevice())
-    assert graphs is not None and graphs.buckets == tuple(decode)
-
-
-def test_no_graphs_on_cpu_when_eager_or_with_the_torch_backend(model_parts, tiny_llama):
-    flash = _runner(model_parts, FlashAttentionBackend(reference_varlen), NUM_BLOCKS + 1)
-    capture = FakeCaptureDevice()
-    assert make_cuda_graphs(flash, _config(tiny_llama), capture=capture) is None  # CPU
-    flash.device = FakeCudaDevice()
-    eager_config = _config(tiny_llama, enforce_eager=True)
-    assert make_cuda_graphs(flash, eager_config, capture=capture) is None
-    torch_runner = _runner(model_parts, TorchAttentionBackend(), NUM_BLOCKS + 1)
-    torch_runner.device = FakeCudaDevice()
-    assert make_cuda_graphs(torch_runner, _config(tiny_llama), capture=capture) is None
-    assert capture.graphs == []
-
-
 # ------------------------------------------------------------------ the draft model's first forward
 
 
@@ -427,19 +264,3 @@ def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num
     full_batch = [SeqChunk([0, 0], 0, [0], 1) for _ in range(max_num_seqs)]
     if 2 * max_num_seqs <= planned:
         assert graph_buckets.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
-
-
-def test_the_graphable_backends_by_name_are_the_ones_that_capture():
-    """The memory plan reserves a graph pool by backend name (GRAPHABLE_BACKENDS), before any
-    backend is built; the runner captures where the backend is a GraphableBackend."""
-    from engine.attention.cpu_paged import CpuAttentionBackend
-    from engine.attention.triton_attn import TritonAttentionBackend
-
-    backends = {
-        "flash_attn": FlashAttentionBackend(reference_varlen),
-        "triton": TritonAttentionBackend(),
-        "torch": TorchAttentionBackend(),
-        "cpu": CpuAttentionBackend(),
-    }
-    graphable = {n for n, b in backends.items() if isinstance(b, cuda_graphs.GraphableBackend)}
-    assert graphable == set(graph_buckets.GRAPHABLE_BACKENDS)

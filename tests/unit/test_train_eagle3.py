@@ -2,8 +2,9 @@
 exactly the published tensors (read with safetensors, not our loader); our engine serves the
 head with greedy output unchanged, and on held-out prompts it is accepted more often than a
 random head; the engine's head computes the trainer's unrolled logits (training-time test is
-the engine's drafting); and a run stopped and resumed ends where a straight run ends, bit for
-bit."""
+the engine's drafting); the loss computes only what counted positions need; and a run stopped
+and resumed ends where a straight run ends, bit for bit (a resume over other data refused).
+The trainer's data: tests/unit/test_train_eagle3_data.py."""
 
 from __future__ import annotations
 
@@ -14,31 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
 from engine.core.chunks import SeqChunk
 from engine.models.eagle3.checkpoint import REQUIRED_KEYS
 from engine.training.eagle3 import TrainConfig, make_head, train
-from engine.training.eagle3_data import Example, draft_vocabulary, read_prompts
-from engine.training.eagle3_data import TrainSequence as Seq
 from engine.training.eagle3_head import ttt_unroll
-from tests.conftest import TINY_VOCAB, build_tiny_model
 from tests.eagle3_heads import build_tiny_eagle3_head
-from tests.token_distribution import edit_lm_head
+from tests.unit.train_eagle3_helpers import _engine, _prompts, build_target, single_thread
 
 TAPS = (1, 2, 3)
 DRAFT_VOCAB = 96
 NUM_TRAIN, NUM_HELD_OUT = 25, 8
-POOL = 32
-
-
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    """Prompts over a small "domain" of POOL ids, training and held-out alike: the target's
-    continuations then visit states that training has seen, as a real head's domain does."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(4, 11, (count,), generator=g).tolist()
-    return [[1, *(3 + torch.randint(0, POOL, (n - 1,), generator=g)).tolist()] for n in lengths]
 
 
 HELD_OUT = _prompts(99, NUM_HELD_OUT)
@@ -46,38 +35,12 @@ HELD_OUT = _prompts(99, NUM_HELD_OUT)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tensors this small cost more in OpenMP's hand-offs than they gain from a second thread
-    (and on a busy machine a second thread waits for its core: ~40x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from single_thread()
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    """A tiny target whose continuations a one-layer head can learn from 25 prompts and meet
-    again in held-out ones: a sharpened LM head (a few likely next tokens) and weak attention
-    (the next token depends mostly on the current one, little on the rest of the context)."""
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("train-target"), "llama", seed=11, num_hidden_layers=4
-    )
-    edit_lm_head(path, scale=8.0)
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    for name in tensors:
-        if name.endswith("self_attn.o_proj.weight"):
-            tensors[name] = tensors[name] * 0.03
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
-
-
-def _engine(target: Path) -> dict:
-    # 16-token steps: features of 40-token sequences come in several chunks.
-    return dict(
-        model=str(target), dtype="float32", block_size=4, num_kv_blocks=64,
-        max_num_batched_tokens=16,
-    )  # fmt: skip
+    return build_target(tmp_path_factory)
 
 
 def _config(prompts: Path, out: Path, **overrides) -> TrainConfig:
@@ -275,46 +238,6 @@ def test_the_loss_computes_only_what_counted_positions_need(trained, target, ttt
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_features_recorded_while_generating_are_the_feature_pass_bits(target, tmp_path):
-    """The taps, final hidden states and argmaxes recorded while the target generates (prompt
-    chunks beside decodes, 16-token steps) are bit for bit what running the target over each
-    finished sequence gives, at every position training reads; load_features takes them and
-    runs the target over none of these sequences."""
-    from engine.training import eagle3_features
-    from engine.training.eagle3_data import Example
-    from engine.training.eagle3_features import make_sequences, sequence_features
-
-    llm = LLM(**{**_engine(target), "enable_prefix_caching": False})
-    taps = (1, 2, 3)
-    examples = [Example(tuple(p)) for p in _prompts(3, 6)]
-    features = tmp_path / "features"
-    seqs = make_sequences(llm, examples, tmp_path / "seqs.jsonl", 12, 64, 0.0, 0, taps, features)
-    assert len(seqs) == 6 and len(list((features / "recorded").glob("*.pt"))) == 6
-    engine = llm.engine
-    for seq in seqs:
-        recorded = torch.load(eagle3_features._recorded_file(features, seq), weights_only=True)
-        passed = sequence_features(engine.runner, engine.block_manager, seq, taps, 16)
-        n, p = len(seq.token_ids), seq.num_prompt_tokens
-        assert torch.equal(recorded["token_ids"], passed["token_ids"])
-        assert torch.equal(recorded["loss_mask"], passed["loss_mask"])
-        for key in ("aux", "hidden"):  # the last token is never fed while generating
-            assert torch.equal(recorded[key][: n - 1], passed[key][: n - 1]), key
-        assert torch.equal(
-            recorded["target_ids"][p - 1 : n - 1], passed["target_ids"][p - 1 : n - 1]
-        )
-
-    def no_pass(*args, **kwargs):
-        raise AssertionError("the target ran over a recorded sequence")
-
-    original = eagle3_features.sequence_features
-    eagle3_features.sequence_features = no_pass
-    try:
-        loaded = eagle3_features.load_features(llm, seqs, taps, features, 4)
-    finally:
-        eagle3_features.sequence_features = original
-    assert len(loaded) == 6 and not list((features / "recorded").glob("*.pt"))
-
-
 def test_resume_ends_where_a_straight_run_ends(trained, target, tmp_path):
     _, prompts, out = trained
     runs = {}
@@ -343,65 +266,3 @@ def test_resume_refuses_other_data(trained, target):
     _, prompts, out = trained
     with pytest.raises(ValueError, match="max_tokens"):
         train(_config(prompts, out, max_tokens=16, resume=True), _engine(target))
-
-
-class _Tokenizer:
-    """Characters as ids; a chat template of '<role>: content' lines."""
-
-    chat_template = "fake"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1] * add_special_tokens + [ord(c) % 200 + 3 for c in text]
-
-    def apply_chat_template(self, conversation, add_generation_prompt, **_):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
-        return self.encode(text + "assistant: " * add_generation_prompt)
-
-
-def test_prompts_file_formats(tmp_path):
-    tok = _Tokenizer()
-    file = tmp_path / "prompts.jsonl"
-    rows = [
-        "a plain line",
-        json.dumps({"prompt": "hi", "response": "yo"}),
-        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
-        json.dumps({"prompt_ids": [1, 5, 6], "response_ids": [7]}),
-        "",
-    ]
-    file.write_text("\n".join(rows))
-    examples = read_prompts(file, tok, TINY_VOCAB)
-    assert examples == [
-        Example(tuple(tok.encode("a plain line"))),
-        Example(tuple(tok.encode("hi")), tuple(tok.encode("yo", add_special_tokens=False))),
-        Example(tuple(tok.encode("user: hi\nassistant: "))),
-        Example((1, 5, 6), (7,)),
-    ]
-    with pytest.raises(ValueError, match=r"prompts.jsonl:1: .*no tokenizer"):
-        read_prompts(file, None, TINY_VOCAB)
-    file.write_text(json.dumps({"prompt_ids": [1, TINY_VOCAB]}))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        read_prompts(file, tok, TINY_VOCAB)
-
-
-def test_draft_vocabulary_counts_responses_then_fills():
-    seqs = [Seq((9, 9, 4, 4, 4, 7), 2), Seq((8, 8, 8, 7, 4), 3)]
-    # Responses: 4 x4, 7 x2; then the prompts' 8 (x3) before 9 (x2); then the smallest ids.
-    assert draft_vocabulary(seqs, 2, 20) == [4, 7]
-    assert draft_vocabulary(seqs, 3, 20) == [4, 7, 8]
-    assert draft_vocabulary(seqs, 6, 20) == [0, 1, 4, 7, 8, 9]
-
-
-def test_the_shipped_prompts_are_seeded_chat_examples(tmp_path):
-    """`make eagle3-head`'s prompts: code tasks over standard-library functions and open-chat
-    questions, three to one, the same for the same seed, read by the trainer's prompts parser."""
-    from engine.training.prompts import build_prompts, main
-
-    first, again = build_prompts(40, seed=3), build_prompts(40, seed=3)
-    assert first == again and first != build_prompts(40, seed=4)
-    contents = [p["messages"][0]["content"] for p in first]
-    assert len(set(contents)) == 40
-    assert sum("```python" in c for c in contents) == 30
-    out = tmp_path / "prompts.jsonl"
-    assert main(["--num", "12", "--out", str(out)]) == 0
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == 12 and all(line["messages"][0]["role"] == "user" for line in lines)
