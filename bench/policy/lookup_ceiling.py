@@ -49,6 +49,7 @@ from engine.core.schedule import Candidate, ScheduledRequest, StepShape
 from engine.core.stats import Decision, StepStats, VerifyResult
 from engine.drafters.ngram import NgramProposer
 from engine.drafters.speculator import shadow_result
+from engine.engine import LLMEngine
 from engine.policy.calibration import time_step
 from engine.policy.policy import SpeculationPolicy
 from engine.policy.step_time import StepTimeModel
@@ -212,7 +213,9 @@ def lookup_unreachable(answers: Sequence[tuple[Sequence[int], Sequence[int]]], m
     return missing / total if total else 0.0
 
 
-def step_seconds(engine: Any, sizes: Sequence[int], context: int, rounds: int) -> dict[int, float]:
+def step_seconds(
+    engine: LLMEngine, sizes: Sequence[int], context: int, rounds: int
+) -> dict[int, float]:
     """The median over `rounds` of one timed verify-shaped step of each size after `context`
     cached positions, the sizes taking turns within a round (the host's drift falls on all)."""
     times: dict[int, list[float]] = {n: [] for n in sizes}

@@ -29,6 +29,7 @@ import yaml
 from bench.common.processes import cpu_isa, host
 from bench.policy.workload import code_edit_prompts, code_gen_prompts, open_chat_prompts
 from engine import LLM, SamplingParams
+from engine.engine import LLMEngine
 from engine.text.tokenizer import apply_chat_template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def run(
     }
 
 
-def decisions_since(engine: Any, before: dict[tuple[str, str], int]) -> dict[str, int]:
+def decisions_since(engine: LLMEngine, before: dict[tuple[str, str], int]) -> dict[str, int]:
     """The policy's decisions since `before` (a copy of engine.policy_stats.decisions), as
     "decision/reason": count, the reasons that did not occur left out."""
     counts = {

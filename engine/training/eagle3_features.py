@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from engine.core.chunks import SeqChunk
+from engine.engine import LLMEngine
 from engine.execution.runner import ModelRunner
 from engine.llm import LLM
 from engine.models.llama import LlamaForCausalLM
@@ -178,11 +179,12 @@ class FeatureRecorder:
     trainer's engine caches no prefix, so no two requests share a block); the engine runs
     eagerly here (a replayed graph would not show its final hidden state to the hook)."""
 
-    def __init__(self, engine: Any, taps: tuple[int, ...]) -> None:
+    def __init__(self, engine: LLMEngine, taps: tuple[int, ...]) -> None:
         self.engine, self.taps = engine, taps
         self.runner = engine.runner
-        self.model = self.runner.model
-        assert isinstance(self.model, LlamaForCausalLM)
+        model = self.runner.model
+        assert isinstance(model, LlamaForCausalLM), "a head's features come from its target"
+        self.model = model
         self.records: dict[str, _Recorded] = {}
         self._final: list[torch.Tensor] = []
 
@@ -194,7 +196,9 @@ class FeatureRecorder:
         self._hook = self.model.register_forward_hook(lambda _m, _i, out: self._final.append(out))
         self._own_forward = vars(self.runner).get("forward")  # a wrapper already there, if any
         forward = self.runner.forward
-        self.runner.forward = lambda chunks: self._record(chunks, forward(chunks))
+        # The runner's forward, wrapped for this engine's steps (an instance attribute over the
+        # method, removed again on exit).
+        self.runner.forward = lambda chunks: self._record(chunks, forward(chunks))  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -202,7 +206,7 @@ class FeatureRecorder:
         if self._own_forward is None:
             del self.runner.forward  # the class's method again
         else:
-            self.runner.forward = self._own_forward
+            self.runner.forward = self._own_forward  # type: ignore[method-assign]
         self.model.aux_layers, self.model.aux_hidden = self._saved, None
 
     def _owner(self, chunk: SeqChunk) -> Any:
