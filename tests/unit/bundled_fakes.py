@@ -1,7 +1,7 @@
 """What the bundled-model tests share: fake bundled models whose parts are small files in fake
 package directories, a fake site those packages count as installed in, a fake GGUF converter
-that records its calls, and a guard that no conversion runs. The test modules wrap
-install_fake_site and record_conversions in their `fake_site` and `fake_converter` fixtures."""
+that records its calls, and a guard that no conversion runs. tests/unit/conftest.py wraps
+install_fake_site and record_conversions in the `fake_site` and `fake_converter` fixtures."""
 
 from __future__ import annotations
 

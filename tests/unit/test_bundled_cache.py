@@ -18,19 +18,7 @@ from tests.unit.bundled_fakes import (
     _fake_model,
     _forbid_conversion,
     _make_fake_packages,
-    install_fake_site,
-    record_conversions,
 )
-
-
-@pytest.fixture
-def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    return install_fake_site(tmp_path, monkeypatch)
-
-
-@pytest.fixture
-def fake_converter(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, tuple]]:
-    return record_conversions(monkeypatch)
 
 
 def test_resolve_bundled_converts_once_then_uses_cache(

@@ -16,19 +16,7 @@ from tests.unit.bundled_fakes import (
     _fake_model,
     _forbid_conversion,
     _make_fake_packages,
-    install_fake_site,
-    record_conversions,
 )
-
-
-@pytest.fixture
-def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    return install_fake_site(tmp_path, monkeypatch)
-
-
-@pytest.fixture
-def fake_converter(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, tuple]]:
-    return record_conversions(monkeypatch)
 
 
 def test_assemble_concatenates_parts_in_order_and_checks_sha(fake_site: Path, tmp_path: Path):

@@ -31,14 +31,8 @@ from tests.unit.cuda_graph_fakes import (
     FakeCudaDevice,
     _config,
     _runner,
-    load_model_parts,
     reference_varlen,
 )
-
-
-@pytest.fixture(scope="module")
-def model_parts(tiny_llama):
-    return load_model_parts(tiny_llama)
 
 
 def eager(runner: SimpleNamespace, chunks: list[SeqChunk]) -> torch.Tensor:

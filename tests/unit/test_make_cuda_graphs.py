@@ -5,8 +5,6 @@ backend, and the graphable backends by name are the ones that capture."""
 
 from __future__ import annotations
 
-import pytest
-
 from engine.attention.flash_attn import FlashAttentionBackend
 from engine.attention.torch_attn import TorchAttentionBackend
 from engine.execution import cuda_graphs, graph_buckets
@@ -18,14 +16,8 @@ from tests.unit.cuda_graph_fakes import (
     FakeCudaDevice,
     _config,
     _runner,
-    load_model_parts,
     reference_varlen,
 )
-
-
-@pytest.fixture(scope="module")
-def model_parts(tiny_llama):
-    return load_model_parts(tiny_llama)
 
 
 def test_capture_sizes():
