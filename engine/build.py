@@ -69,7 +69,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         runner = ModelRunner(config, model_config, max_positions)
     draft_runner = load_draft_runner(config, spec, runner, max_positions, tokenizer)
     num_drafts = spec.num_speculative_tokens if spec else DEFAULT_PREDICTION_TOKENS
-    num_blocks, max_model_len = _allocate_kv(config, runner, draft_runner, num_drafts)
+    num_blocks, max_model_len = _allocate_kv(
+        config, runner, draft_runner, max_positions, num_drafts
+    )
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     eos = model_config.eos_token_ids
     speculator = Speculator.from_context(
@@ -131,12 +133,13 @@ def _allocate_kv(
     config: EngineConfig,
     runner: ModelRunner,
     draft_runner: ModelRunner | None,
+    max_positions: int,
     num_drafts: int,
 ) -> tuple[int, int]:
     """Size one KV budget for every model's KV, allocate it (capturing CUDA graphs on a GPU),
-    and return the number of blocks and the longest context (max_model_len) they hold."""
+    and return the number of blocks and the longest context (max_model_len) they hold, at most
+    `max_positions` (the one the runners' RoPE tables were sized for)."""
     runners = [r for r in (runner, draft_runner) if r is not None]
-    max_positions = config.max_model_len or runner.model_config.max_position_embeddings
     plan = plan_for(config, runners, max_positions, num_drafts)
     num_blocks = plan.num_blocks
     max_len = max_positions

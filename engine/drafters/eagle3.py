@@ -101,10 +101,6 @@ class Eagle3Proposer(ModelDrafter):
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
 
-    def num_behind(self, request: Request) -> int:
-        """Always current (see the module's docstring): nothing to catch up on."""
-        return 0
-
     def _state(self, request: Request) -> _HeadState:
         state = self._states.get(request.request_id)
         if state is None or state.num_preemptions != request.num_preemptions:

@@ -43,6 +43,8 @@ class Speculator:
         num_tokens: int,
     ) -> None:
         self.chain = list(chain)
+        # The chain's model drafters, which every step calls for catch-up, extend and timing.
+        self._model_drafters = [p for p in self.chain if isinstance(p, ModelDrafter)]
         self.prediction = prediction
         self.grammar = grammar
         self.num_tokens = num_tokens  # the most drafts a request verifies in one step
@@ -111,7 +113,7 @@ class Speculator:
             n = chunks.get(s.request.request_id, 0)
             if n and not s.num_draft_tokens and s.offer is not None:
                 catch_up.setdefault(s.offer.source, []).append((s.request, n))
-        for drafter in self._model_drafters():
+        for drafter in self._model_drafters:
             granted = by_model.get(drafter.name, [])
             behind = catch_up.get(drafter.name, [])
             if behind:
@@ -132,12 +134,12 @@ class Speculator:
     ) -> None:
         """Once the target has run and verified: a drafter that reads the target's hidden states
         (eagle3) extends its KV over what the step computed and kept."""
-        for proposer in self._model_drafters():
+        for proposer in self._model_drafters:
             proposer.after_step([s.request for s in schedule.scheduled], chunks, results)
 
     def take_draft_timing(self) -> DraftTiming | None:
         """The draft model's device time in this step, read once the step has synchronised."""
-        for proposer in self._model_drafters():
+        for proposer in self._model_drafters:
             timing = proposer.take_timing()
             if timing is not None:
                 return timing
@@ -146,9 +148,6 @@ class Speculator:
     def free(self, request: Request) -> None:
         for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
-
-    def _model_drafters(self) -> list[ModelDrafter]:
-        return [p for p in self.chain if isinstance(p, ModelDrafter)]
 
 
 def _within_grammar(request: Request, draft: Draft) -> Draft | None:
