@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 import torch
 from pydantic import Field
 
+import engine.attention
 from engine.attention import backend_spec, resolve_attention_backend
 from engine.models.config import ModelConfig
 from engine.speculative_config import SpeculativeConfig
@@ -153,6 +154,15 @@ class EngineConfig:
     enforce_eager: Annotated[
         bool, Field(description="CUDA: run every step eagerly (no CUDA graphs)")
     ] = False
+    # None: on where it can run. __post_init__ always sets a bool.
+    fused_layers: Annotated[
+        bool,
+        Field(
+            description="CUDA: a decoder layer's residual adds, norms, RoPE with the K/V write "
+            "and activation in fused Triton kernels (9 launches a layer with Triton attention; "
+            "false: the torch formulation's 30-odd). Default: on where Triton is installed"
+        ),
+    ] = None  # type: ignore[assignment]
     batch_invariant: Annotated[
         bool,
         Field(
@@ -197,6 +207,7 @@ class EngineConfig:
         )
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "attention_backend", backend.name)
+        object.__setattr__(self, "fused_layers", _fused_layers(self.fused_layers, device_type))
         if self.block_size is None:
             object.__setattr__(self, "block_size", backend.default_block_size)
 
@@ -236,6 +247,19 @@ class EngineConfig:
             assert backend.dtypes, "a backend that refuses a dtype lists the ones it accepts"
             dtype = _DTYPES[backend.dtypes[0]]
         return dtype
+
+
+def _fused_layers(asked: bool | None, device_type: str) -> bool:
+    """Whether the layers run the fused Triton kernels: asked for, or (None) wherever they can,
+    which is CUDA with Triton installed."""
+    has_triton = engine.attention.triton_available()
+    if asked is None:
+        return device_type == "cuda" and has_triton
+    if asked and device_type != "cuda":
+        raise ValueError(f"fused_layers runs on cuda (Triton kernels), not {device_type}.")
+    if asked and not has_triton:
+        raise ValueError("fused_layers needs Triton (pip install triton).")
+    return asked
 
 
 # The attention backend that batch_invariant takes on each device: the one whose sums over keys

@@ -168,9 +168,11 @@ class LLMEngine:
         outputs that changed."""
         start = time.perf_counter()
         mode, num_generated = self.policy.mode, self.metrics.num_generation_tokens
-        schedule = self.scheduler.schedule(self.speculator.offer(self.scheduler.running, mode))
+        offers = self.speculator.offer(self.scheduler.running, mode)
+        schedule = self.scheduler.schedule(offers)
         if schedule.is_empty:
             return []
+        self.speculator.after_schedule(schedule.decisions, offers)
         self._record_scheduled(schedule)
         proposing = time.perf_counter()
         drafts = self.speculator.propose(schedule)
@@ -193,6 +195,7 @@ class LLMEngine:
             draft_timing=self.speculator.take_draft_timing(),
             mode=mode,
             num_generated=self.metrics.num_generation_tokens - num_generated,
+            skipped=self.speculator.skipped,
         )
         if self.step_trace.is_on:  # with what the policy priced the step, before it learns
             model = self.policy.step_model

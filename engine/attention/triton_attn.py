@@ -199,6 +199,18 @@ class TritonAttentionBackend:
         write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window)
 
+    def attend_written(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend over caches that already hold this step's K/V: the fused layer path wrote
+        them with RoPE in one launch (engine/kernels/triton_layer.py rope_write_kv)."""
+        return paged_attention(query, k_cache, v_cache, metadata, scale)
+
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -117,7 +117,8 @@ class PolicyStats:
     """What the speculation policy decided, cumulative for the engine.
 
     Each step, every decoding request with a draft source gets one decision: "speculate"
-    (k > 0) with a reason of SPECULATE_REASONS, or "skip" (k = 0) with one of SKIP_REASONS.
+    (k > 0) with a reason of SPECULATE_REASONS, or "skip" (k = 0) with one of SKIP_REASONS;
+    the skips no Decision was built for (mode off, paused lookups) come counted (StepStats.skipped).
     Every step also counts, under the mode it was decided in, its seconds and the tokens it
     generated: what each mode earns while it runs, when an operator switches modes on a live
     server (bench/policy/run.py compares modes that way, slice by slice under one load).
@@ -140,6 +141,11 @@ class PolicyStats:
             key = (d.decision, d.reason)
             self.decisions[key] = self.decisions.get(key, 0) + 1
             self.draft_tokens_per_step.observe(d.num_draft_tokens)
+        num_skipped = 0
+        for reason, count in step.skipped:
+            self.decisions[("skip", reason)] = self.decisions.get(("skip", reason), 0) + count
+            self.draft_tokens_per_step.observe(0, count)
+            num_skipped += count
         if step.decisions or step.num_tokens:
-            self.num_requests_decoding = len(step.decisions)
+            self.num_requests_decoding = len(step.decisions) + num_skipped
             self.num_requests_speculating = sum(1 for d in step.decisions if d.num_draft_tokens)

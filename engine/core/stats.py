@@ -27,6 +27,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "budget",  # always: the step's token budget is spent
     "kv_cache_full",  # granted, but the KV pool had no room for the drafts
     "mode_off",  # off
+    "paused",  # auto: a lookup whose drafts did not pay is tried again in a few steps
 )
 
 
@@ -90,6 +91,9 @@ class StepStats:
     draft_timing: DraftTiming | None = None  # the draft model's forwards, when it ran
     mode: str = "auto"  # the policy's mode the step was decided in (off / always / auto)
     num_generated: int = 0  # tokens the step appended to outputs (after stop conditions)
+    # Decoding requests with a draft source that got k = 0 without a Decision of their own,
+    # counted by reason (mode_off, paused): a step of mode off builds nothing per request.
+    skipped: tuple[tuple[str, int], ...] = ()
 
     @property
     def seconds(self) -> float:

@@ -11,7 +11,17 @@ and runs the draft model for the rest. A draft model is lazy: it runs only for t
 draft with it, catching up on what it missed in its first forward. A lookup draft of a request
 under a grammar is cut where the grammar forbids a token (the verifier would reject it there).
 
-The speculator knows the drafters only; the policy's mode reaches `offer` as an argument.
+In mode off `offer` looks nothing up and offers nothing: the scheduler asks no policy, and the
+decoding requests a source could draft for are counted (reason mode_off), not decided one by one.
+In auto a lookup whose drafts the policy left at 0 for low acceptance is
+paused: its next lookup (and shadow draft) waits 2, 4, 8, then LOOKUP_PAUSE_MAX steps while it
+keeps not paying, and runs every step again once it is granted. At a large batch, where nothing
+pays for low acceptance, a step then looks up and decides for a sixteenth of those requests
+(counted as paused); the index of a paused request catches up on its tokens
+at its next lookup. A model drafter's offer is never paused: it costs nothing until granted.
+
+The speculator knows the drafters only; the policy's mode reaches `offer` as an argument, its
+decisions `after_schedule`.
 """
 
 from __future__ import annotations
@@ -24,11 +34,17 @@ from engine.core.drafts import Draft, DraftOffer
 from engine.core.emitted import StepTokens
 from engine.core.request import Request
 from engine.core.schedule import ScheduledRequest, SchedulerOutput
-from engine.core.stats import DraftTiming, VerifyResult
+from engine.core.stats import Decision, DraftTiming, VerifyResult
 from engine.drafters.drafting_loop import ModelDrafter
 from engine.drafters.proposer import Proposer
 from engine.drafters.registry import DrafterContext, make_proposer
 from engine.speculative_config import DEFAULT_PREDICTION_TOKENS
+
+# The longest pause between two lookups of a request whose lookup drafts do not pay (steps).
+LOOKUP_PAUSE_MAX = 16
+# The reasons of a lookup's k = 0 that pause it: its drafts would not pay even alone. Not
+# compute_bound: paused then, a request stayed paused after the load passed.
+PAUSE_REASONS = frozenset({"low_acceptance"})
 
 
 class Speculator:
@@ -48,6 +64,11 @@ class Speculator:
         self.prediction = prediction
         self.grammar = grammar
         self.num_tokens = num_tokens  # the most drafts a request verifies in one step
+        self._step = 0  # offers made (engine steps)
+        # request id -> (the step of its next lookup, its current pause): paused lookups only.
+        self._paused: dict[str, tuple[int, int]] = {}
+        # The decoding requests of the last offer left without one, by reason (mode_off, paused).
+        self.skipped: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_context(cls, context: DrafterContext) -> Speculator:
@@ -63,24 +84,68 @@ class Speculator:
 
     def offer(self, requests: Sequence[Request], mode: str) -> dict[str, DraftOffer]:
         """An offer per decoding request (one known token left to compute) that some source can
-        draft for; requests nothing can draft for get none, and no decision. In mode off nothing
-        will be granted, so no lookup runs."""
-        offers = {}
+        draft for; requests nothing can draft for get none, and no decision. In mode off none at
+        all (nothing will be granted): the requests a source could draft for are counted in
+        `skipped` (mode_off), as are, in auto, the paused lookups (paused)."""
+        self._step += 1
+        offers: dict[str, DraftOffer] = {}
+        num_skipped = 0
+        paused = self._paused
         for request in requests:
-            if request.num_output_tokens and request.num_tokens - request.num_computed_tokens == 1:
-                offer = self._offer(request, mode)
-                if offer is not None:
-                    offers[request.request_id] = offer
+            if (
+                not request.num_output_tokens
+                or request.num_tokens - request.num_computed_tokens != 1
+            ):
+                continue
+            if mode == "off":  # a request whose max_tokens leaves no room for a draft is none
+                num_skipped += request.num_output_tokens + 1 < request.max_tokens and bool(
+                    self.chain or request.grammar is not None or request.prediction_token_ids
+                )
+                continue
+            pause = paused.get(request.request_id)
+            looks_up = pause is None or pause[0] <= self._step or request.grammar is not None
+            if not looks_up and not self._model_drafters:
+                num_skipped += 1
+                continue
+            offer = self._offer(request, looks_up)
+            if offer is not None:
+                offers[request.request_id] = offer
+            elif not looks_up:
+                num_skipped += 1
+            elif pause is not None:  # a paused lookup's turn found nothing: its pause goes on
+                paused[request.request_id] = (self._step + pause[1], pause[1])
+        reason = "mode_off" if mode == "off" else "paused"
+        self.skipped = ((reason, num_skipped),) if num_skipped else ()
         return offers
 
-    def _offer(self, request: Request, mode: str) -> DraftOffer | None:
+    def after_schedule(self, decisions: Sequence[Decision], offers: dict[str, DraftOffer]) -> None:
+        """Pause the lookups the policy left at 0 because they do not pay (PAUSE_REASONS), each
+        pause twice the last up to LOOKUP_PAUSE_MAX steps; a granted lookup is no longer paused."""
+        paused = self._paused
+        for d in decisions:
+            offer = offers.get(d.request_id)
+            if offer is None or offer.draft is None or d.source == "grammar":
+                continue
+            if d.num_draft_tokens:
+                paused.pop(d.request_id, None)
+            elif d.reason in PAUSE_REASONS:
+                last = paused.get(d.request_id, (0, 1))[1]
+                pause = min(2 * last, LOOKUP_PAUSE_MAX)
+                paused[d.request_id] = (self._step + pause, pause)
+
+    def _offer(self, request: Request, looks_up: bool = True) -> DraftOffer | None:
+        """The first source's offer; without `looks_up`, the lookups other than the grammar's
+        are passed over (a paused request: a model drafter may still offer)."""
         sources: list[Proposer] = [self.grammar] if request.grammar is not None else []
-        if request.prediction_token_ids:
+        if request.prediction_token_ids and looks_up:
             sources.append(self.prediction)
-        if mode == "off" and (sources or self.chain):
-            # Nothing will be granted: the decision (mode_off) needs no lookup's draft.
-            return DraftOffer((*sources, *self.chain)[0].name, self.num_tokens)
         for proposer in (*sources, *self.chain):
+            if (
+                not looks_up
+                and proposer is not self.grammar
+                and not isinstance(proposer, ModelDrafter)
+            ):
+                continue
             if isinstance(proposer, ModelDrafter):
                 return DraftOffer(proposer.name, self.num_tokens, proposer.num_behind(request))
             draft = proposer.propose([request], [self.num_tokens])[0]
@@ -146,6 +211,7 @@ class Speculator:
         return None
 
     def free(self, request: Request) -> None:
+        self._paused.pop(request.request_id, None)
         for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
 

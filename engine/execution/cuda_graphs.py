@@ -328,6 +328,7 @@ class CudaGraphs:
                 kv_caches=runner.kv_caches,
                 cos=cos,
                 sin=sin,
+                fused=runner.fused,
             )
             if kv_only:
                 return runner.model.write_kv(ids, ctx, hidden_in)  # None: only K/V written

@@ -37,6 +37,8 @@ class ModelRunner:
     (and the attention backend and RoPE tables), then, once every model is loaded and the budget
     measured, `allocate_kv_cache` allocates the per-layer KV tensors."""
 
+    fused = False  # the fused Triton layer kernels (set from the config in __init__)
+
     def __init__(
         self,
         config: EngineConfig,
@@ -75,6 +77,9 @@ class ModelRunner:
         # "none", or "gguf (Q4_K + Q6_K)": the formats of the blocks the linears multiply by.
         self.quantization = quantization_of(self.model)
         self.backend = get_attention_backend(config.attention_backend, self.device.torch)
+        # The CUDA path's fused Triton layer kernels (engine/kernels/triton_layer.py), as the
+        # config resolved them once at start: on CUDA with Triton unless turned off.
+        self.fused = config.fused_layers
         # Sized for the longest context the engine may allow (max_model_len is settled only
         # after the KV budget), and built before the budget is measured so it counts.
         self.rope = RotaryEmbedding(
@@ -142,6 +147,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             cos=cos,
             sin=sin,
+            fused=self.fused,
         )
         return step, ctx, self.device.tensor(step.token_ids, torch.int64)
 

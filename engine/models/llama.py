@@ -37,6 +37,9 @@ class ForwardContext:
     kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k_cache, v_cache)
     cos: torch.Tensor  # [num_tokens, head_dim]
     sin: torch.Tensor  # [num_tokens, head_dim]
+    # The CUDA path's fused Triton layer kernels (engine/kernels/triton_layer.py), chosen once at
+    # start (EngineConfig.fused_layers); False: the torch formulation, or our CPU kernels.
+    fused: bool = False
 
 
 def layer_kernels(x: torch.Tensor) -> Any | None:
@@ -47,6 +50,13 @@ def layer_kernels(x: torch.Tensor) -> Any | None:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_kernels()
+
+
+def fused_kernels() -> Any:
+    """The fused layer kernels (imported on first use: Triton is needed only where they run)."""
+    from engine.kernels import triton_layer
+
+    return triton_layer
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +92,17 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's next value and its norm;
+        without a residual, (norm(x), x). `fused`: one Triton launch for both."""
+        if fused:
+            return fused_kernels().add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self(x), x
 
 
 class Attention(nn.Module):
@@ -121,9 +142,15 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _apply_rope(q, ctx.cos, ctx.sin), _apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        attend = getattr(ctx.backend, "attend_written", None) if ctx.fused else None
+        if attend is not None:  # RoPE and the K/V write in one launch, then attention alone
+            slots = ctx.attn_metadata.slot_mapping
+            fused_kernels().rope_write_kv(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, slots)
+            out = attend(q, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        else:
+            q, k = _apply_rope(q, ctx.cos, ctx.sin), _apply_rope(k, ctx.cos, ctx.sin)
+            out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
@@ -157,8 +184,10 @@ class MLP(nn.Module):
         self.gate_up_proj = meta_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = meta_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if fused:  # one launch, and batch-invariant as it is (a row per program)
+            return self.down_proj(fused_kernels().silu_mul(gate_up))
         if self.batch_invariant:
             return self.down_proj(invariant_kernels().silu_mul(gate_up))
         kernels = layer_kernels(gate_up)
@@ -169,7 +198,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals."""
+    """Pre-norm attention and MLP blocks with residuals. The residual stream travels beside the
+    layer's output (x + residual is the stream), so each residual add is done by the norm after
+    it: one kernel on the fused path."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -178,9 +209,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the stream before it): the stream after the layer is their
+        sum. `residual` None: x is the stream itself (the first layer)."""
+        h, residual = self.input_layernorm.add_forward(x, residual, ctx.fused)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, ctx.fused)
+        return self.mlp(h, ctx.fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,17 +248,18 @@ class LlamaForCausalLM(nn.Module):
         aux_layers, the residual stream entering each of them is kept in `aux_hidden`, side by
         side in aux_layers' order."""
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         if not self.aux_layers:
             for layer in self.layers:
-                x = layer(x, ctx)
-            return self.norm(x)
+                x, residual = layer(x, residual, ctx)
+            return self.norm.add_forward(x, residual, ctx.fused)[0]
         taps = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                taps[i] = x
-            x = layer(x, ctx)
+                taps[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, ctx)
         self.aux_hidden = torch.cat([taps[i] for i in self.aux_layers], dim=-1)
-        return self.norm(x)
+        return self.norm.add_forward(x, residual, ctx.fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32. Where the

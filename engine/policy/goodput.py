@@ -1,7 +1,8 @@
 """The policy's objective and its maximiser: tokens per second of one step, over draft lengths.
 
-goodput(k) = Σ_i E(alpha_i, k_i) / (t(n + Σ k, reads(Σ k), rows + Σ k) + draft seconds(k)),
-where n and rows are the step's query tokens and logits rows without drafts, reads its attention's
+goodput(k) = (rows - m + Σ_i E(alpha_i, k_i)) / (t(n + Σ k, reads(Σ k), rows + Σ k) + draft seconds(k)),
+where n and rows are the step's query tokens and logits rows without drafts (every row emits a
+token; m of them are the candidates, whose rows emit E(alpha_i, k_i)), reads its attention's
 KV reads with Σ k drafts (each draft reads about a decoding sequence's length; engine/policy/
 step_time.py), E the tokens a verify emits (engine/policy/acceptance.py) and draft seconds
 what proposing the drafts costs.
@@ -72,8 +73,18 @@ def goodput(
     """Predicted tokens per second of a step that verifies ks on top of the shape's tokens."""
     num_drafts = sum(ks)
     seconds = step_seconds(shape, model, draft_cost, num_drafts)
-    tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+    tokens = other_rows(shape, len(alphas)) + sum(
+        expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)
+    )
     return tokens / seconds if seconds > 0 else math.inf
+
+
+def other_rows(shape: StepShape, num_candidates: int) -> int:
+    """The step's sampling rows that are no candidate's (requests no source drafts for, paused
+    lookups, a prompt's last chunk): each emits its token whatever the candidates draft, so a
+    step's goodput counts them (ignored, a few candidates among many rows would read their
+    drafts' worth against their own tokens only, and draft where the step cannot gain)."""
+    return max(shape.base_rows - num_candidates, 0)
 
 
 def best_draft_lengths(
@@ -100,7 +111,7 @@ def best_draft_lengths(
     heapq.heapify(heap)
     # Upper bound on tokens any later prefix can add: every remaining draft accepted as expected.
     tail = sum(expected_tokens(alphas[i], caps[i]) - 1.0 for _, _, i in heap)
-    tokens = float(len(alphas))
+    tokens = float(len(alphas) + other_rows(shape, len(alphas)))
     best, best_len, picks = -math.inf, 0, list[int]()
     seconds_at = _pricer(shape, model, draft_cost, forwards)
     while True:

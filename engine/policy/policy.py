@@ -31,6 +31,7 @@ from engine.policy.goodput import (
     best_draft_lengths,
     forward_seconds,
     goodput,
+    other_rows,
     plus_fixed,
     step_seconds,
 )
@@ -252,7 +253,7 @@ class SpeculationPolicy:
         switching gains more than SWITCH_MARGIN of the request's share of the step's goodput.
         Caps of 0 act at once."""
         tokens = [expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)]
-        total, num_drafts = sum(tokens), sum(ks)
+        total, num_drafts = sum(tokens) + other_rows(shape, len(ks)), sum(ks)
 
         def value(tokens: float, num_drafts: int) -> float:
             seconds = step_seconds(shape, self._prices, cost, num_drafts)
@@ -262,7 +263,9 @@ class SpeculationPolicy:
         # step's goodput is its expected tokens over the seconds of its draft count, so no
         # candidate costs more than two predictions (summing the batch per candidate took 6 ms a
         # step at 64 requests on a GPU host, beside a 7-ms forward).
-        allowance = SWITCH_MARGIN * value(total, num_drafts) / len(ks)
+        # A request's share: of every row the step samples, candidate or not (a paused lookup
+        # is none; engine/drafters/speculator.py), so a few candidates do not hold a lot each.
+        allowance = SWITCH_MARGIN * value(total, num_drafts) / max(len(ks), shape.base_rows)
         ks = list(ks)
         for i, c in enumerate(candidates):
             last = self._last_k.get(c.key)

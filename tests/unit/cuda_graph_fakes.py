@@ -134,6 +134,7 @@ def _runner(model_parts, backend, num_blocks: int) -> SimpleNamespace:
         device=Device("cpu"),
         kv_caches=tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)),
         graphs=None,
+        fused=False,
     )
     runner.step_inputs = lambda chunks: ModelRunner.step_inputs(runner, chunks)  # type: ignore[arg-type]
     return runner
