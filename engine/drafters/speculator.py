@@ -13,11 +13,11 @@ under a grammar is cut where the grammar forbids a token (the verifier would rej
 
 In mode off `offer` looks nothing up and offers nothing: the scheduler asks no policy, and the
 decoding requests a source could draft for are counted (reason mode_off), not decided one by one.
-In auto a lookup whose drafts the policy left at 0 for low acceptance is
-paused: its next lookup (and shadow draft) waits 2, 4, 8, then LOOKUP_PAUSE_MAX steps while it
-keeps not paying, and runs every step again once it is granted. At a large batch, where nothing
-pays for low acceptance, a step then looks up and decides for a sixteenth of those requests
-(counted as paused); the index of a paused request catches up on its tokens
+In auto a lookup whose drafts the policy left at 0 for low acceptance or a compute-bound batch is
+paused: its next lookup (and shadow draft) waits 4, 8, 16, then LOOKUP_PAUSE_MAX (32) steps while it
+keeps not paying, and runs every step again once it is granted; one the batch paused is due as
+soon as the running batch has shrunk by a quarter. At a large batch, where nothing pays, a step
+then looks up and decides for about a thirtieth of its requests (counted as paused); the index of a paused request catches up on its tokens
 at its next lookup. A model drafter's offer is never paused: it costs nothing until granted.
 
 The speculator knows the drafters only; the policy's mode reaches `offer` as an argument, its
@@ -40,11 +40,13 @@ from engine.drafters.proposer import Proposer
 from engine.drafters.registry import DrafterContext, make_proposer
 from engine.speculative_config import DEFAULT_PREDICTION_TOKENS
 
-# The longest pause between two lookups of a request whose lookup drafts do not pay (steps).
-LOOKUP_PAUSE_MAX = 16
-# The reasons of a lookup's k = 0 that pause it: its drafts would not pay even alone. Not
-# compute_bound: paused then, a request stayed paused after the load passed.
-PAUSE_REASONS = frozenset({"low_acceptance"})
+# The first and the longest pause between two lookups of a request whose lookup drafts do not
+# pay (steps): each pause twice the last.
+LOOKUP_PAUSE_MIN = 4
+LOOKUP_PAUSE_MAX = 32
+# The reasons of a lookup's k = 0 that pause it: its drafts would not pay, alone or in a batch
+# this large (the latter until the batch shrinks), as opposed to a budget or a full pool.
+PAUSE_REASONS = frozenset({"low_acceptance", "compute_bound"})
 
 
 class Speculator:
@@ -65,8 +67,10 @@ class Speculator:
         self.grammar = grammar
         self.num_tokens = num_tokens  # the most drafts a request verifies in one step
         self._step = 0  # offers made (engine steps)
-        # request id -> (the step of its next lookup, its current pause): paused lookups only.
-        self._paused: dict[str, tuple[int, int]] = {}
+        # request id -> (the step of its next lookup, its current pause, the running batch it
+        # was paused in when the batch paused it, else 0): paused lookups only.
+        self._paused: dict[str, tuple[int, int, int]] = {}
+        self._num_running = 0  # the running batch of the last offer
         # The decoding requests of the last offer left without one, by reason (mode_off, paused).
         self.skipped: tuple[tuple[str, int], ...] = ()
 
@@ -88,23 +92,30 @@ class Speculator:
         all (nothing will be granted): the requests a source could draft for are counted in
         `skipped` (mode_off), as are, in auto, the paused lookups (paused)."""
         self._step += 1
+        if mode == "off":
+            self.skipped = self._count_off(requests)
+            return {}
+        step, paused, has_model = self._step, self._paused, bool(self._model_drafters)
         offers: dict[str, DraftOffer] = {}
         num_skipped = 0
-        paused = self._paused
-        for request in requests:
+        # A lookup the batch's size paused (compute_bound) is due as soon as the batch has
+        # shrunk by a quarter: the load that stopped it may have passed.
+        shrunk = 4 * len(requests)
+        self._num_running = len(requests)
+        for request in requests:  # the step's hottest loop in auto: plain attributes only
             if (
-                not request.num_output_tokens
-                or request.num_tokens - request.num_computed_tokens != 1
+                len(request.all_token_ids) - request.num_computed_tokens != 1
+                or not request.output_token_ids
             ):
                 continue
-            if mode == "off":  # a request whose max_tokens leaves no room for a draft is none
-                num_skipped += request.num_output_tokens + 1 < request.max_tokens and bool(
-                    self.chain or request.grammar is not None or request.prediction_token_ids
-                )
-                continue
             pause = paused.get(request.request_id)
-            looks_up = pause is None or pause[0] <= self._step or request.grammar is not None
-            if not looks_up and not self._model_drafters:
+            looks_up = (
+                pause is None
+                or pause[0] <= step
+                or shrunk < 3 * pause[2]
+                or request.grammar is not None
+            )
+            if not looks_up and not has_model:
                 num_skipped += 1
                 continue
             offer = self._offer(request, looks_up)
@@ -113,10 +124,23 @@ class Speculator:
             elif not looks_up:
                 num_skipped += 1
             elif pause is not None:  # a paused lookup's turn found nothing: its pause goes on
-                paused[request.request_id] = (self._step + pause[1], pause[1])
-        reason = "mode_off" if mode == "off" else "paused"
-        self.skipped = ((reason, num_skipped),) if num_skipped else ()
+                paused[request.request_id] = (step + pause[1], pause[1], pause[2])
+        self.skipped = (("paused", num_skipped),) if num_skipped else ()
         return offers
+
+    def _count_off(self, requests: Sequence[Request]) -> tuple[tuple[str, int], ...]:
+        """Mode off's skips: the decoding requests some source could draft for, with room for a
+        draft within max_tokens (the ones a policy would have been asked about)."""
+        any_source = bool(self.chain)
+        num = 0
+        for request in requests:
+            if (
+                len(request.all_token_ids) - request.num_computed_tokens == 1
+                and 0 < len(request.output_token_ids) < request.max_tokens - 1
+                and (any_source or request.grammar is not None or request.prediction_token_ids)
+            ):
+                num += 1
+        return (("mode_off", num),) if num else ()
 
     def after_schedule(self, decisions: Sequence[Decision], offers: dict[str, DraftOffer]) -> None:
         """Pause the lookups the policy left at 0 because they do not pay (PAUSE_REASONS), each
@@ -129,9 +153,10 @@ class Speculator:
             if d.num_draft_tokens:
                 paused.pop(d.request_id, None)
             elif d.reason in PAUSE_REASONS:
-                last = paused.get(d.request_id, (0, 1))[1]
+                last = paused.get(d.request_id, (0, LOOKUP_PAUSE_MIN // 2, 0))[1]
                 pause = min(2 * last, LOOKUP_PAUSE_MAX)
-                paused[d.request_id] = (self._step + pause, pause)
+                batch = self._num_running if d.reason == "compute_bound" else 0
+                paused[d.request_id] = (self._step + pause, pause, batch)
 
     def _offer(self, request: Request, looks_up: bool = True) -> DraftOffer | None:
         """The first source's offer; without `looks_up`, the lookups other than the grammar's
