@@ -8,53 +8,61 @@ occurrences of one n-gram the EARLIEST wins. Because a continuation is only cut 
 the context, the earliest occurrence is also the one with the longest available continuation, so
 "earliest" and "longest continuation" never disagree.
 
-The index is incremental: per request and per n a dict from n-gram to the position right after its
-first occurrence, extended with only the tokens appended since the last call. Contract assumed of
-the request: tokens are only appended at the end or truncated from the end. A shorter sequence or
-a changed tail of the indexed part (preemption, stop-string truncation) rebuilds that request's
-index; the check compares the indexed length and the last few indexed tokens, not the whole list.
+The index is incremental: per request, a dict from each `prompt_lookup_min`-gram (a token id
+itself when that is 1) to the positions right after its copies, in increasing order, extended
+with only the tokens appended since the last call: one list append a token, whatever the range
+of n. A lookup walks the copies of the context's last min-gram in order and extends each match
+backwards up to `prompt_lookup_max`: the first copy with the longest match is the answer above
+(each n's earliest copy is among them, and the longest n wins), and a full-length match ends the
+walk. Contract assumed of the request: tokens are only appended at the end or truncated from the
+end. A shorter sequence or a changed tail of the indexed part (preemption, stop-string
+truncation) rebuilds that request's index; the check compares the indexed length and the last
+few indexed tokens, not the whole list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.drafts import Draft
 from engine.core.request import Request
 from engine.drafters.proposer import LookupProposer
 
-NgramIndex = dict[tuple[int, ...], int]
-# Extensions shorter than this (a decode or verify step's tokens) are indexed one n-gram at a
-# time; longer ones (a prompt, a rebuild) through n shifted views zipped together.
-SHORT_EXTENSION = 16
+# A min-gram (a token id when prompt_lookup_min is 1, else a tuple) -> the ends of its copies.
+NgramPositions = dict[Hashable, list[int]]
 
 
-def index_ngrams(
-    index: NgramIndex, token_ids: Sequence[int], n: int, first_end: int, last_end: int
+def index_positions(
+    positions: NgramPositions, token_ids: Sequence[int], n: int, first_end: int, last_end: int
 ) -> None:
-    """Insert the n-grams token_ids[e - n:e] for e in [first_end, last_end] -> e, keeping an
-    existing (earlier) position when the n-gram is already there."""
+    """Append e to the list of the n-gram token_ids[e - n:e] for e in [first_end, last_end]
+    (increasing, so each list stays sorted); with n == 1 the key is the token id itself."""
     first_end = max(first_end, n)
-    if first_end > last_end:
-        return
-    setdefault = index.setdefault
-    if last_end - first_end < SHORT_EXTENSION:  # a step's few tokens: no views to build
+    get = positions.get
+    if n == 1:
         for end in range(first_end, last_end + 1):
-            setdefault(tuple(token_ids[end - n : end]), end)
+            key: Hashable = token_ids[end - 1]
+            ends = get(key)
+            if ends is None:
+                positions[key] = [end]
+            else:
+                ends.append(end)
         return
-    start = first_end - n
-    # n shifted views zipped together yield every n-gram in one C-level pass (fast on rebuilds).
-    columns = [token_ids[start + j : last_end - n + j + 1] for j in range(n)]
-    for end, key in enumerate(zip(*columns, strict=True), start=first_end):
-        setdefault(key, end)
+    for end in range(first_end, last_end + 1):
+        key = tuple(token_ids[end - n : end])
+        ends = get(key)
+        if ends is None:
+            positions[key] = [end]
+        else:
+            ends.append(end)
 
 
 @dataclass
 class _NgramState:
-    """One request's index: ngram_index[n - min_n] maps an n-gram to where its first copy ended."""
+    """One request's index: `positions` holds every min-gram ending at 1..num_indexed."""
 
-    ngram_index: list[NgramIndex]
+    positions: NgramPositions = field(default_factory=dict)
     num_indexed: int = 0
     tail_token_ids: tuple[int, ...] = field(default_factory=tuple)  # last indexed tokens
 
@@ -81,25 +89,38 @@ class NgramProposer(LookupProposer):
         token_ids = request.all_token_ids
         state = self._update_index(request.request_id, token_ids)
         num_tokens = len(token_ids)
-        min_n = self.prompt_lookup_min
-        for n in range(min(self.prompt_lookup_max, num_tokens - 1), min_n - 1, -1):
-            end = state.ngram_index[n - min_n].get(tuple(token_ids[num_tokens - n :]))
-            # end == num_tokens means the only copy of the n-gram is the suffix itself.
-            if end is not None and end < num_tokens:
-                return Draft(token_ids=tuple(token_ids[end : end + max_length]), source=self.name)
-        return None
+        min_n, max_n = self.prompt_lookup_min, min(self.prompt_lookup_max, num_tokens - 1)
+        if max_n < min_n:
+            return None
+        key = token_ids[-1] if min_n == 1 else tuple(token_ids[num_tokens - min_n :])
+        ends = state.positions.get(key)
+        if ends is None:
+            return None
+        best_length, best_end = 0, 0
+        for end in ends:
+            # end == num_tokens is the suffix itself (the last entry): no earlier copy.
+            if end >= num_tokens:
+                break
+            length, limit = min_n, min(max_n, end)
+            while length < limit and token_ids[end - 1 - length] == token_ids[-1 - length]:
+                length += 1
+            if length > best_length:
+                best_length, best_end = length, end
+                if length == max_n:
+                    break
+        if not best_length:
+            return None
+        return Draft(token_ids=tuple(token_ids[best_end : best_end + max_length]), source=self.name)
 
     def _update_index(self, request_id: str, token_ids: list[int]) -> _NgramState:
         state = self._states.get(request_id)
         num_tokens = len(token_ids)
         if state is None or not self._is_prefix_intact(state, token_ids):
-            num_ngram_sizes = self.prompt_lookup_max - self.prompt_lookup_min + 1
-            state = _NgramState(ngram_index=[{} for _ in range(num_ngram_sizes)])
+            state = _NgramState()
             self._states[request_id] = state
         if num_tokens > state.num_indexed:
-            for i, index in enumerate(state.ngram_index):
-                n = self.prompt_lookup_min + i
-                index_ngrams(index, token_ids, n, state.num_indexed + 1, num_tokens)
+            n = self.prompt_lookup_min
+            index_positions(state.positions, token_ids, n, state.num_indexed + 1, num_tokens)
             state.num_indexed = num_tokens
             state.tail_token_ids = tuple(token_ids[-self.prompt_lookup_max :])
         return state

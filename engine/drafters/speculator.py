@@ -15,7 +15,9 @@ In mode off `offer` looks nothing up and offers nothing: the scheduler asks no p
 decoding requests a source could draft for are counted (reason mode_off), not decided one by one.
 In auto a lookup whose drafts the policy left at 0 for low acceptance or a compute-bound batch is
 paused: its next lookup (and shadow draft) waits 4, 8, 16, then LOOKUP_PAUSE_MAX (32) steps while it
-keeps not paying, and runs every step again once it is granted; one the batch paused is due as
+keeps not paying (each pause ends at a multiple of its length, so paused requests wake
+together and the steps between decide for none of them), and runs every step again once it is
+granted; one the batch paused is due as
 soon as the running batch has shrunk by a quarter. At a large batch, where nothing pays, a step
 then looks up and decides for about a thirtieth of its requests (counted as paused); the index of a paused request catches up on its tokens
 at its next lookup. A model drafter's offer is never paused: it costs nothing until granted.
@@ -124,7 +126,7 @@ class Speculator:
             elif not looks_up:
                 num_skipped += 1
             elif pause is not None:  # a paused lookup's turn found nothing: its pause goes on
-                paused[request.request_id] = (step + pause[1], pause[1], pause[2])
+                paused[request.request_id] = (_wake(step, pause[1]), pause[1], pause[2])
         self.skipped = (("paused", num_skipped),) if num_skipped else ()
         return offers
 
@@ -156,7 +158,7 @@ class Speculator:
                 last = paused.get(d.request_id, (0, LOOKUP_PAUSE_MIN // 2, 0))[1]
                 pause = min(2 * last, LOOKUP_PAUSE_MAX)
                 batch = self._num_running if d.reason == "compute_bound" else 0
-                paused[d.request_id] = (self._step + pause, pause, batch)
+                paused[d.request_id] = (_wake(self._step, pause), pause, batch)
 
     def _offer(self, request: Request, looks_up: bool = True) -> DraftOffer | None:
         """The first source's offer; without `looks_up`, the lookups other than the grammar's
@@ -239,6 +241,13 @@ class Speculator:
         self._paused.pop(request.request_id, None)
         for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
+
+
+def _wake(step: int, pause: int) -> int:
+    """The step a lookup paused at `step` for `pause` steps is due: the next multiple of the
+    pause, so the paused requests wake together and the steps between decide for none of them
+    (the policy's cost is mostly per decision, not per candidate)."""
+    return (step // pause + 1) * pause
 
 
 def _within_grammar(request: Request, draft: Draft) -> Draft | None:

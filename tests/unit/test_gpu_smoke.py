@@ -16,7 +16,8 @@ import torch
 
 from engine.execution.cuda_graphs import NOT_CAPTURED
 from tests.gpu.smoke.__main__ import main as smoke
-from tests.gpu.smoke.bench import CONCURRENCIES, INVARIANT_CONCURRENCIES, MODES, ReplayCounter
+from tests.gpu.smoke.bench import CONCURRENCIES, INVARIANT_CONCURRENCIES, MODES
+from tests.gpu.smoke.counters import ReplayCounter
 from tests.gpu.smoke.models import TINY, build_pair
 from tests.gpu.smoke.report import COLUMNS, bench_failures, markdown_table
 
@@ -138,6 +139,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
     assert [(e["engine"]["graphs"], e["engine"]["batch_invariant"]) for e in engines] == [
         (True, False),
         (False, False),
+        (True, False),  # the layers' torch formulation
         (True, False),
         (True, True),
         (True, False),
@@ -156,6 +158,9 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
     assert all(p["num_tokens"] > 0 and p["acceptance"] is None for p in invariant["points"])
     ngram = engines.pop()
     assert ngram["engine"]["speculation"] == "ngram"
+    unfused = engines.pop(2)
+    assert unfused["engine"]["speculation"] is None
+    assert [(p["mode"], p["concurrency"]) for p in unfused["points"]] == [("off", 1), ("off", 64)]
     assert [(p["mode"], p["concurrency"]) for p in ngram["points"]] == [
         ("auto", c) for c in CONCURRENCIES
     ]
@@ -166,12 +171,14 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         split = [steps[k] for k in ("with_drafts", "without_drafts") if k in steps]
         assert sum(s["steps"] for s in split) == p["num_steps"]
         assert all(s["forward_ms"] > 0 and s["rest_ms"] >= 0 for s in split)
+        assert all(s["read_mb_per_step"] > 0 and s["forward_gb_per_s"] > 0 for s in split)
         decided = steps["decisions"]
         assert all(k.split("/")[0] in ("speculate", "skip") and n > 0 for k, n in decided.items())
         assert decided.get("speculate/goodput", 0) >= steps.get("with_drafts", {}).get("steps", 0)
     for engine in engines:
         facts = engine["engine"]
         assert facts["num_kv_blocks"] > 0 and facts["num_graph_buckets"] == 0  # no graphs on CPU
+        assert facts["kernels_per_decode_step"] is None and facts["fused_layers"] is False
         points = engine["points"]
         assert [(p["mode"], p["concurrency"]) for p in points] == [
             (m, c) for m in MODES for c in CONCURRENCIES
@@ -193,6 +200,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         + 2 * len(MODES) * len(CONCURRENCIES)
         + len(CONCURRENCIES)
         + 2 * len(INVARIANT_CONCURRENCIES)
+        + 2  # the torch formulation's
     )
     assert printed.rstrip().endswith("===== gpu-smoke: PASS")
 
@@ -313,8 +321,9 @@ def test_bench_failures_name_what_fails_a_node():
     assert "graphs captured, none replayed" in unreplayed
     (over,) = bench_failures(_bench(10, 0.8, 3 * 2**30, 2**31))
     assert "past the budget (3.0 / 2.0 GiB)" in over
-    assert "| on | off | auto | 8 | 100 | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |" in (
-        markdown_table(_bench(10, 0.8, 2**30, 2**31))
+    assert (
+        "| on | off | auto | 8 | 100 | - | - | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |"
+        in (markdown_table(_bench(10, 0.8, 2**30, 2**31)))
     )
 
 

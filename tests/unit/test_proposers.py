@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.drafts import Draft
 from engine.core.request import Request
-from engine.drafters.ngram import SHORT_EXTENSION, NgramProposer, index_ngrams
+from engine.drafters.ngram import NgramProposer, index_positions
 from engine.drafters.prediction import PredictionProposer
 from engine.drafters.registry import PROPOSERS, DrafterContext, make_proposer
 from engine.sampling_params import SamplingParams
@@ -161,22 +161,23 @@ def test_ngram_incremental_equals_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_ngram_index_is_the_same_in_short_and_long_extensions(seed: int) -> None:
-    """A step's few tokens are indexed one n-gram at a time, a prompt through zipped views:
-    either way every n-gram maps to where its first copy ends."""
+def test_ngram_positions_are_the_same_however_the_tokens_arrive(seed: int) -> None:
+    """A prompt at once or a step's few tokens at a time: every n-gram maps to the ends of all
+    its copies, in increasing order (a token id itself is the key of a 1-gram)."""
     rng = random.Random(seed)
     tokens = [rng.randrange(4) for _ in range(300)]
     for n in (1, 2, 4):
-        expected: dict[tuple[int, ...], int] = {}
+        expected: dict = {}
         for end in range(n, len(tokens) + 1):
-            expected.setdefault(tuple(tokens[end - n : end]), end)
-        index: dict[tuple[int, ...], int] = {}
+            key = tokens[end - 1] if n == 1 else tuple(tokens[end - n : end])
+            expected.setdefault(key, []).append(end)
+        positions: dict = {}
         done = 0
         while done < len(tokens):
-            step = rng.choice([1, 2, 5, SHORT_EXTENSION - 1, SHORT_EXTENSION, 40])
-            index_ngrams(index, tokens, n, done + 1, min(done + step, len(tokens)))
+            step = rng.choice([1, 2, 5, 16, 40])
+            index_positions(positions, tokens, n, done + 1, min(done + step, len(tokens)))
             done = min(done + step, len(tokens))
-        assert index == expected
+        assert positions == expected
 
 
 def test_ngram_rebuilds_after_preemption_style_shortening() -> None:

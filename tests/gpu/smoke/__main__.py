@@ -1,6 +1,7 @@
 """`make gpu-smoke`: one command that proves a GPU node, in about ten minutes on an H100.
 
     python -m tests.gpu.smoke [--require flash-attn] [--duration 20] [--out FILE]
+    python -m tests.gpu.smoke --quick         # the bench's core alone: about 5 minutes
     python -m tests.gpu.smoke --dry-run       # the same on the CPU, a tiny model, ~1 s a point
 
 Stages, in order; the first failure of the environment stops it, later stages always run:
@@ -17,7 +18,13 @@ Stages, in order; the first failure of the environment stops it, later stages al
    with a draft that is its first layer (tests/gpu/smoke/models.py), at c = 1, 8, 64, speculation
    off and auto, CUDA graphs on and off; then the batch-invariant mode's price at c = 1, 8, and a
    random EAGLE-3 head (mode always, graphs on) at c = 1, 8: its graphs' replay share and its
-   steps' cost (tests/gpu/smoke/bench.py).
+   steps' cost; and the torch formulation of the layers (`fused_layers: false`, graphs on, off)
+   at c = 1, 64, beside the fused kernels' rows (tests/gpu/smoke/bench.py). Each point reports
+   the forward's achieved bandwidth and the host's time a step; each engine the kernels one
+   eager decode step launches.
+`--quick` skips the checks and keeps the graphs engine (off and auto at c = 1, 8, 64) and the
+torch formulation's, 10 s a point: about 5 minutes on an H100 or H200 (estimated: two engines
+built ~1.5 min, 8 points x 10 s, the model 30 s), for a machine lent for minutes.
 It writes one JSON (--out; default $OUT/gpu-smoke.json where $OUT is set, else
 bench/results/gpu-smoke.json) and prints one markdown table. Exit status 0 only when every stage
 passed.
@@ -61,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tests", nargs="+", default=["tests/gpu"], help="what pytest runs")
     parser.add_argument("--skip-checks", action="store_true", help="no pytest stage")
     parser.add_argument("--skip-bench", action="store_true", help="no bench stage")
+    parser.add_argument(
+        "--quick", action="store_true", help="no checks; the bench's core at 10 s a point"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the random models' seed")
     return parser.parse_args(argv)
 
@@ -106,18 +116,20 @@ def _run_stages(args: argparse.Namespace, device: str, result: dict[str, Any], o
         return 2
     passed = True
     _write(out, result)
-    if not args.skip_checks:
+    if not args.skip_checks and not args.quick:
         result["checks"] = run_checks(args.tests, args.require, device, out.parent)
         passed = result["checks"]["exit_status"] == 0
         _write(out, result)
     if not args.skip_bench:
         from tests.gpu.smoke.report import bench_failures, markdown_table
 
+        result["quick"] = args.quick
         result["bench"] = run_bench(
             device,
-            args.duration or (1.0 if device == "cpu" else 20.0),
+            args.duration or (1.0 if device == "cpu" else 10.0 if args.quick else 20.0),
             args.seed,
             lambda: _write(out, result),
+            quick=args.quick,
         )
         failures = bench_failures(result["bench"])
         result["bench"]["failures"] = failures
@@ -163,11 +175,16 @@ def run_checks(tests: list[str], require: list[str], device: str, folder: Path) 
 
 
 def run_bench(
-    device: str, duration_s: float, seed: int, save: Callable[[], None] = lambda: None
+    device: str,
+    duration_s: float,
+    seed: int,
+    save: Callable[[], None] = lambda: None,
+    quick: bool = False,
 ) -> dict[str, Any]:
-    """Build the model pair here, then one engine per setting; an engine's error is recorded (and
-    fails the bench) rather than raised, the next engine still runs, and `save` writes what is
-    done after each engine, so the JSON comes back whatever stops the run."""
+    """Build the model pair here, then one engine per setting (`quick`: the graphs engine and the
+    torch formulation's only); an engine's error is recorded (and fails the bench) rather than
+    raised, the next engine still runs, and `save` writes what is done after each engine, so the
+    JSON comes back whatever stops the run."""
     import torch
     import yaml
 
@@ -211,9 +228,15 @@ def run_bench(
                 logger.exception("the bench's %s engine failed", name)
             save()
 
-        for graphs in (True, False):
+        for graphs in (True,) if quick else (True, False):
             config = engine_config(pair, torch.device(device), graphs, **overrides)
             one("graphs" if graphs else "eager", lambda config=config: run_engine(config, workload))
+        # The layers' torch formulation beside the fused kernels (on CUDA; the CPU has neither).
+        unfused = {**overrides, "fused_layers": False, "speculative_config": None}
+        config = engine_config(pair, torch.device(device), True, **unfused)
+        one("unfused", lambda: run_engine(config, workload, (1, 64)))
+        if quick:
+            return bench
         # Mode auto with n-gram lookup alone: what the draft model adds or costs beside it.
         spec = yaml.safe_load(PRESET.read_text())["engine"]["speculative_config"]
         ngram = {**spec, "method": "ngram", "model": None}

@@ -21,7 +21,6 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ import torch
 import yaml
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.execution.cuda_graphs import NOT_CAPTURED
 from engine.speculative_config import SpeculativeConfig
+from tests.gpu.smoke.counters import ReplayCounter, StepBreakdown
 from tests.gpu.smoke.models import ModelPair
 
 logger = logging.getLogger(__name__)
@@ -74,99 +73,6 @@ class PointResult:
     drafts_per_step: float | None = None  # draft tokens verified per target step: how much the
     # policy chose to speculate
     steps: dict[str, Any] | None = None  # StepBreakdown.summary(): where the steps' time went
-
-
-class StepBreakdown:
-    """Where a point's steps spent their time, from the StepStats the engine hands its policy
-    stats (wrapped on the instance, as ReplayCounter wraps the forwards): the target forward,
-    drafting (lookups and draft-model forwards) and the rest, split by whether the step verified
-    drafts; and the policy's decisions by reason."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self._stats = engine.policy_stats
-        observe = self._stats.observe
-
-        def observed(step: Any) -> None:
-            self._add(step)
-            observe(step)
-
-        self._stats.observe = observed  # type: ignore[method-assign]
-        self.reset()
-
-    def reset(self) -> None:
-        self._sums: dict[str, list[float]] = {}
-        self._decisions_before = dict(self._stats.decisions)
-
-    def _add(self, step: Any) -> None:
-        if not step.num_tokens:
-            return
-        key = "with_drafts" if step.has_drafts else "without_drafts"
-        sums = self._sums.setdefault(key, [0.0] * 5)
-        for i, value in enumerate(
-            (1, step.num_tokens, step.forward_seconds, step.draft_seconds, step.overhead_seconds)
-        ):
-            sums[i] += value
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, (steps, tokens, forward, draft, rest) in self._sums.items():
-            out[key] = {
-                "steps": int(steps),
-                "tokens_per_step": round(tokens / steps, 1),
-                "forward_ms": round(forward / steps * 1e3, 3),
-                "draft_ms": round(draft / steps * 1e3, 3),
-                "rest_ms": round(rest / steps * 1e3, 3),
-            }
-        decisions = {
-            f"{d}/{r}": n - self._decisions_before.get((d, r), 0)
-            for (d, r), n in self._stats.decisions.items()
-        }
-        out["decisions"] = {k: n for k, n in decisions.items() if n}
-        return out
-
-
-class ReplayCounter:
-    """Counts a runner's forwards and those its CUDA graphs replayed, by wrapping the two
-    `forward`s of the runner's instances (no engine code changes for a count)."""
-
-    def __init__(self, runner: Any) -> None:
-        self.num_forwards = 0
-        self.num_replays = 0
-        # A model's forward, and an EAGLE-3 head's two (its drafts, its K/V-only extend).
-        for name, graphed in (
-            ("forward", "forward"),
-            ("hidden_forward", "hidden_states"),
-            ("kv_forward", "kv_states"),
-        ):
-            if hasattr(runner, name):
-                setattr(runner, name, self._counting(getattr(runner, name), self._count_forward))
-            if runner.graphs is not None and hasattr(runner.graphs, graphed):
-                counted = self._counting(getattr(runner.graphs, graphed), self._count_replay)
-                setattr(runner.graphs, graphed, counted)
-
-    @staticmethod
-    def _counting(forward: Callable[..., Any], count: Callable[[Any], None]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            result = forward(*args, **kwargs)
-            count(result)
-            return result
-
-        return counted
-
-    def _count_forward(self, result: Any) -> None:
-        self.num_forwards += 1
-
-    def _count_replay(self, result: Any) -> None:
-        self.num_replays += result is not NOT_CAPTURED
-
-    def reset(self) -> None:
-        self.num_forwards = self.num_replays = 0
-
-    @property
-    def share(self) -> float | None:
-        """Replayed over all forwards; None where the runner ran none (the policy never chose
-        the draft model), which a share of 0 would read as graphs that never replay."""
-        return self.num_replays / self.num_forwards if self.num_forwards else None
 
 
 def engine_config(
@@ -269,7 +175,41 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
         "memory_budget_bytes": budget,  # gpu_memory_utilization x the device's memory
         "build_s": round(build_s, 2),
         "step_model": _step_model(engine),
+        "fused_layers": config.fused_layers,
+        "kernels_per_decode_step": _kernels_per_decode_step(engine),
     }
+
+
+def _kernels_per_decode_step(engine: LLMEngine) -> dict[str, Any] | None:
+    """The kernels one eager decode step of the target launches on the device (torch's
+    profiler, CUDA activity; copies and fills left out), in all and per layer: the count that
+    tests/unit/test_triton_layer.py holds on the CPU, read on the card. One token at position 0
+    of block 0, which no request holds yet (a request writes every position before reading
+    it). None on the CPU; the error where the profiler fails (recorded, never fatal)."""
+    runner = engine.runner
+    if not runner.device.is_cuda:
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        from engine.core.chunks import SeqChunk
+
+        with torch.inference_mode():
+            _, ctx, ids = runner.step_inputs([SeqChunk([1], 0, [0], 1)])
+            runner.model(ids, ctx)  # compiled and warm before it is counted
+            torch.cuda.synchronize(runner.device.torch)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.model(ids, ctx)
+                torch.cuda.synchronize(runner.device.torch)
+        names = [
+            e.name
+            for e in prof.events()
+            if e.device_type.name == "CUDA" and not e.name.lower().startswith(("memcpy", "memset"))
+        ]
+        layers = runner.model_config.num_layers
+        return {"total": len(names), "per_layer": round(len(names) / layers, 2)}
+    except Exception as e:  # noqa: BLE001 - a figure the report may lack, not a failed node
+        return {"error": repr(e)}
 
 
 def _step_model(engine: LLMEngine) -> dict[str, Any] | None:

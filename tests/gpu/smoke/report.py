@@ -10,6 +10,8 @@ COLUMNS = (
     "mode",
     "c",
     "tok/s",
+    "forward GB/s",
+    "host ms/step",
     "TTFT p50 ms",
     "TTFT p95 ms",
     "graph share",
@@ -32,6 +34,8 @@ def markdown_table(bench: dict[str, Any]) -> str:
                 _mode(p["mode"], facts.get("speculation")),
                 p["concurrency"],
                 f"{p['tokens_per_s']:.0f}",
+                _number(_steps(p, "forward_gb_per_s"), ".0f"),
+                _number(_steps(p, "rest_ms"), ".2f"),
                 _number(p["ttft_p50_ms"], ".1f"),
                 _number(p["ttft_p95_ms"], ".1f"),
                 _number(p["graph_share"], ".2f"),
@@ -44,6 +48,17 @@ def markdown_table(bench: dict[str, Any]) -> str:
     backends = sorted({e["engine"]["attention_backend"] for e in bench.get("engines", [])})
     lines.append(f"\nattention {', '.join(backends) or 'none'}; {_model_line(bench)}")
     return "\n".join(lines)
+
+
+def _steps(point: dict[str, Any], field: str) -> float | None:
+    """A point's step-breakdown figure over its steps without drafts (the off mode's all), else
+    over those with drafts: the forward's achieved bandwidth, the host's rest of a step."""
+    steps = point.get("steps") or {}
+    for key in ("without_drafts", "with_drafts"):
+        value = (steps.get(key) or {}).get(field)
+        if value is not None:
+            return value
+    return None
 
 
 def bench_failures(bench: dict[str, Any]) -> list[str]:
