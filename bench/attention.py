@@ -18,14 +18,13 @@ this one, and reports the ratio: the two versions side by side on one host.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.common.processes import commit_of, in_checkout
+from bench.common.processes import commit_of, side_by_side, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 2, 128, 16, 28
@@ -100,15 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="another checkout to time side by side")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention.json")
     args = parser.parse_args(argv)
-    roots = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
-    for r in range(args.rounds):
-        for name, root in roots.items():
-            rounds[name].append(
-                in_checkout(root, "bench.attention", "time_shapes", args.context, args.repeats)
-            )
-            print(f"round {r + 1} {name}: " + ", ".join(
-                f"{s}: {t * 1e6:.0f} us" for s, t in rounds[name][-1].items()), flush=True)  # fmt: skip
+    roots, rounds = side_by_side(
+        args.against,
+        args.rounds,
+        "bench.attention",
+        "time_shapes",
+        (args.context, args.repeats),
+        lambda got: ", ".join(f"{s}: {t * 1e6:.0f} us" for s, t in got.items()),
+    )
     shapes = [name for name, _, _ in SHAPES]
     result = {
         "host": platform.processor() or platform.machine(),
@@ -125,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         result["against_over_this"] = {
             s: round(medians["against"][s] / medians["this"][s], 3) for s in shapes
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

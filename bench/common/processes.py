@@ -1,7 +1,8 @@
 """Child processes for the benches that drive a real server (bench/policy/run.py,
 bench/reliability/run.py, deploy/grafana/render_dashboard.py): a free port, a process stopped on
 the way out, a wait until it answers, and `specserve serve` on a config; a bench function run on
-another checkout's engine (bench/policy/cost.py, bench/attention.py: two versions side by side)
+another checkout's engine (bench/policy/cost.py, bench/policy/host_time.py, bench/attention.py:
+two versions side by side, `side_by_side`)
 and that checkout's commit; and the host's CPU, which a result file names."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,34 @@ def in_checkout(root: Path, module: str, function: str, *args: Any) -> Any:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def side_by_side(
+    against: Path | None,
+    rounds: int,
+    module: str,
+    function: str,
+    args: tuple[Any, ...],
+    line: Callable[[Any], str],
+) -> tuple[dict[str, Path], dict[str, list[Any]]]:
+    """`function(*args)` of bench module `module`, timed in this checkout ("this") and, when
+    `against` names another checkout, in that one ("against"), round by round alternating so
+    both see the same host state; each result printed as `line` makes it. Returns the roots and
+    each one's results in round order."""
+    roots = {"this": ROOT} | ({"against": against.resolve()} if against else {})
+    results: dict[str, list[Any]] = {name: [] for name in roots}
+    for r in range(rounds):
+        for name, root in roots.items():
+            results[name].append(in_checkout(root, module, function, *args))
+            print(f"round {r + 1} {name}: {line(results[name][-1])}", flush=True)
+    return roots, results
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    """A bench's result as indented JSON in `out` (its folder made), and on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
 
 
 def commit_of(root: Path) -> str:

@@ -19,7 +19,6 @@ ratio: the two versions side by side on one host.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -27,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common.processes import commit_of, in_checkout
+from bench.common.processes import commit_of, side_by_side, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 500  # cached positions of each decoding sequence
@@ -101,15 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/policy-cost.json")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    roots = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
-    for r in range(args.rounds):
-        for name, root in roots.items():
-            rounds[name].append(
-                in_checkout(root, "bench.policy.cost", "time_sizes", sizes, args.steps)
-            )
-            print(f"round {r + 1} {name}: " + ", ".join(
-                f"{n}: {s * 1e3:.2f} ms" for n, s in rounds[name][-1].items()), flush=True)  # fmt: skip
+    roots, rounds = side_by_side(
+        args.against,
+        args.rounds,
+        "bench.policy.cost",
+        "time_sizes",
+        (sizes, args.steps),
+        lambda got: ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in got.items()),
+    )
     result = {
         "host": platform.processor() or platform.machine(),
         "steps": args.steps,
@@ -125,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             str(n): result["median_ms"]["against"][str(n)] / result["median_ms"]["this"][str(n)]
             for n in sizes
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

@@ -27,7 +27,6 @@ an earlier commit), round by round alternating with this one: the two versions s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common.processes import commit_of, in_checkout
+from bench.common.processes import commit_of, side_by_side, write_result
 from engine.policy.calibration_cache import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,11 +49,8 @@ def _scripted_forward(runner: Any, model: Any, vocab: int) -> Any:
     returns one-hot logits of a hash of each sampling row's token, position and sequence."""
     import torch
 
-    from engine.attention.base import flatten_step
-
     def forward(chunks: Any) -> Any:
-        runner.step_inputs(chunks)  # the flattened step and its attention metadata
-        step = flatten_step(chunks, runner.block_size)
+        step, _, _ = runner.step_inputs(chunks)  # the flattened step and its attention metadata
         time.sleep(model.predict(len(step.token_ids), 0, len(step.logit_rows)))
         if not step.logit_rows:
             return None
@@ -113,7 +109,7 @@ def time_steps(num_requests: int, mode: str, steps: int, model_dir: str) -> dict
     vocab = engine.model_config.vocab_size
     engine.runner.forward = _scripted_forward(engine.runner, step_model(), vocab)
     policy = engine.policy
-    policy.step_model = policy._prices = step_model()
+    policy.step_model = step_model()  # each decision prices with it (SpeculationPolicy.decide)
     policy.is_calibrated = True
     policy.set_mode(mode)
     rng = random.Random(num_requests)
@@ -171,22 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/host-time.json")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    roots = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
-    rounds: dict[str, list[dict[str, dict[str, Any]]]] = {name: [] for name in roots}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp))
-        for r in range(args.rounds):
-            for name, root in roots.items():
-                got = in_checkout(
-                    root, "bench.policy.host_time", "time_modes", sizes, args.steps, model_dir
-                )
-                rounds[name].append(got)
-                line = ", ".join(
-                    f"{mode} {n}: {got[mode][str(n)]['host_seconds'] * 1e3:.3f} ms"
-                    for mode in got
-                    for n in sizes
-                )
-                print(f"round {r + 1} {name}: {line}", flush=True)
+        roots, rounds = side_by_side(
+            args.against,
+            args.rounds,
+            "bench.policy.host_time",
+            "time_modes",
+            (sizes, args.steps, build_model(Path(tmp))),
+            lambda got: ", ".join(
+                f"{mode} {n}: {got[mode][str(n)]['host_seconds'] * 1e3:.3f} ms"
+                for mode in got
+                for n in sizes
+            ),
+        )
 
     def median(name: str, mode: str, n: int, field: str) -> float:
         return statistics.median(run[mode][str(n)][field] for run in rounds[name])
@@ -226,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             }  # fmt: skip
             for mode in ("off", "auto")
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

@@ -40,17 +40,8 @@ def index_positions(
     (increasing, so each list stays sorted); with n == 1 the key is the token id itself."""
     first_end = max(first_end, n)
     get = positions.get
-    if n == 1:
-        for end in range(first_end, last_end + 1):
-            key: Hashable = token_ids[end - 1]
-            ends = get(key)
-            if ends is None:
-                positions[key] = [end]
-            else:
-                ends.append(end)
-        return
     for end in range(first_end, last_end + 1):
-        key = tuple(token_ids[end - n : end])
+        key: Hashable = token_ids[end - 1] if n == 1 else tuple(token_ids[end - n : end])
         ends = get(key)
         if ends is None:
             positions[key] = [end]

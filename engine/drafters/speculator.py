@@ -14,13 +14,14 @@ under a grammar is cut where the grammar forbids a token (the verifier would rej
 In mode off `offer` looks nothing up and offers nothing: the scheduler asks no policy, and the
 decoding requests a source could draft for are counted (reason mode_off), not decided one by one.
 In auto a lookup whose drafts the policy left at 0 for low acceptance or a compute-bound batch is
-paused: its next lookup (and shadow draft) waits 4, 8, 16, then LOOKUP_PAUSE_MAX (32) steps while it
-keeps not paying (each pause ends at a multiple of its length, so paused requests wake
-together and the steps between decide for none of them), and runs every step again once it is
-granted; one the batch paused is due as
-soon as the running batch has shrunk by a quarter. At a large batch, where nothing pays, a step
-then looks up and decides for about a thirtieth of its requests (counted as paused); the index of a paused request catches up on its tokens
-at its next lookup. A model drafter's offer is never paused: it costs nothing until granted.
+paused: its next lookup (and shadow draft) waits 4, 8, 16, then LOOKUP_PAUSE_MAX (32) steps while
+it keeps not paying, each pause ending at a multiple of its length so that paused requests wake
+together and the steps between decide for none of them; granted, it looks up every step again,
+and one the batch paused is due as soon as the running batch has shrunk by a quarter. At a large
+batch, where nothing pays, a step then looks up and decides for about a thirtieth of its
+requests (counted as paused); a paused request's n-gram index catches up at its next lookup. A
+model drafter's offer is never paused (it costs nothing until granted): a paused request a chain
+also drafts for with a model is offered the model.
 
 The speculator knows the drafters only; the policy's mode reaches `offer` as an argument, its
 decisions `after_schedule`.
@@ -117,14 +118,15 @@ class Speculator:
                 or shrunk < 3 * pause[2]
                 or request.grammar is not None
             )
-            if not looks_up and not has_model:
-                num_skipped += 1
+            if not looks_up:
+                if has_model:
+                    offers[request.request_id] = self._model_offer(request)
+                else:
+                    num_skipped += 1
                 continue
-            offer = self._offer(request, looks_up)
+            offer = self._offer(request)
             if offer is not None:
                 offers[request.request_id] = offer
-            elif not looks_up:
-                num_skipped += 1
             elif pause is not None:  # a paused lookup's turn found nothing: its pause goes on
                 paused[request.request_id] = (_wake(step, pause[1]), pause[1], pause[2])
         self.skipped = (("paused", num_skipped),) if num_skipped else ()
@@ -160,19 +162,17 @@ class Speculator:
                 batch = self._num_running if d.reason == "compute_bound" else 0
                 paused[d.request_id] = (_wake(self._step, pause), pause, batch)
 
-    def _offer(self, request: Request, looks_up: bool = True) -> DraftOffer | None:
-        """The first source's offer; without `looks_up`, the lookups other than the grammar's
-        are passed over (a paused request: a model drafter may still offer)."""
+    def _model_offer(self, request: Request) -> DraftOffer:
+        """A paused lookup's offer: the chain's first model drafter (a paused request has no
+        grammar, which always looks up, so only the chain's lookups are passed over)."""
+        drafter = self._model_drafters[0]
+        return DraftOffer(drafter.name, self.num_tokens, drafter.num_behind(request))
+
+    def _offer(self, request: Request) -> DraftOffer | None:
         sources: list[Proposer] = [self.grammar] if request.grammar is not None else []
-        if request.prediction_token_ids and looks_up:
+        if request.prediction_token_ids:
             sources.append(self.prediction)
         for proposer in (*sources, *self.chain):
-            if (
-                not looks_up
-                and proposer is not self.grammar
-                and not isinstance(proposer, ModelDrafter)
-            ):
-                continue
             if isinstance(proposer, ModelDrafter):
                 return DraftOffer(proposer.name, self.num_tokens, proposer.num_behind(request))
             draft = proposer.propose([request], [self.num_tokens])[0]
