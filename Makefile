@@ -90,7 +90,8 @@ $(VENV)/.gpu: $(VENV)/.installed
 # (ARGS="--require flash-attn": a skipped flash-attn check fails; the image's test stage passes
 # it), then benches the GPU preset over a random-weight Qwen2.5-1.5B-shaped model made on the node
 # (c = 1, 8, 64; speculation off/auto; CUDA graphs on/off; ARGS="--duration 20" seconds a point;
-# ARGS=--quick: no checks, the graphs engine and the unfused layers' alone, about five minutes).
+# ARGS=--quick: no checks, the graphs engine, the unfused layers' and the serial steps' alone,
+# about six minutes).
 # Writes $OUT/gpu-smoke.json (else bench/results/gpu-smoke.json) and prints one table. It needs no
 # venv and no network: the node's python (its torch) and, on a bare node, the .gpu-wheels/ folder
 # of `make gpu-wheels`. SPECSERVE_GPU_TESTS_DEVICE=cpu (or ARGS=--dry-run): the same on the CPU.

@@ -163,6 +163,16 @@ class EngineConfig:
             "false: the torch formulation's 30-odd). Default: on where Triton is installed"
         ),
     ] = None  # type: ignore[assignment]
+    # None: on where the host can run ahead of the device. __post_init__ always sets a bool.
+    overlap_scheduling: Annotated[
+        bool,
+        Field(
+            description="schedule and build step t+1 while the device runs step t, and read "
+            "step t's tokens back after t+1 is launched (steps that draft nothing, with no "
+            "grammar or penalties). Default: on CUDA; on the CPU the host is the device, so "
+            "there is nothing to overlap (true still runs the overlapped path)"
+        ),
+    ] = None  # type: ignore[assignment]
     batch_invariant: Annotated[
         bool,
         Field(
@@ -208,6 +218,8 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "attention_backend", backend.name)
         object.__setattr__(self, "fused_layers", _fused_layers(self.fused_layers, device_type))
+        if self.overlap_scheduling is None:
+            object.__setattr__(self, "overlap_scheduling", device_type == "cuda")
         if self.block_size is None:
             object.__setattr__(self, "block_size", backend.default_block_size)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.core.chunks import SeqChunk, attention_reads
+from engine.core.chunks import attention_reads
 from engine.core.counters import PolicyStats, SpecStats
 from engine.core.drafts import Draft
 from engine.core.emitted import StepTokens
@@ -22,6 +22,13 @@ from engine.core.request import Request, RequestStatus
 from engine.core.schedule import SchedulerOutput
 from engine.core.stats import StepStats, VerifyResult
 from engine.drafters.speculator import shadow_result
+from engine.execution.step_work import (
+    Launched,
+    build_batch,
+    carry_indices,
+    device_work,
+    logprobs_width,
+)
 from engine.outputs import RequestOutput
 from engine.requests.admission import compile_grammar, encode_prompt, resolve_max_tokens
 from engine.requests.group import RequestGroup, new_group
@@ -59,6 +66,10 @@ class LLMEngine:
         # Seeds for requests that bring none: reproducible from the engine's own seed.
         self._seeds = random.Random(config.seed)
         self.metrics = EngineMetrics()
+        # Overlapped steps, where the config asks for them and no drafter reads the target's
+        # hidden states of every step; the step on the device, not yet read back.
+        self.overlap = config.overlap_scheduling and not self.speculator.reads_target_states
+        self._inflight: Launched | None = None
         self.step_trace = StepTrace.from_env()  # off unless SPECSERVE_STEP_TRACE names a file
 
     @property
@@ -137,7 +148,8 @@ class LLMEngine:
         self.policy.forget(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        """Requests not finished, or a step still on the device (read back by the next step)."""
+        return bool(self._groups) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -163,50 +175,39 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step, in one direction: schedule (each request's tokens, and its draft tokens from
-        the speculator's offers), propose the drafts, run the target and verify, update the
-        requests, and let everyone who learns or counts observe the step's StepStats. Returns the
-        outputs that changed."""
+        the speculator's offers), propose the drafts, launch the target and the verify, then read
+        the results back, update the requests, and let everyone who learns or counts observe
+        the step's StepStats. Returns the outputs that changed.
+
+        Overlapped (`overlap_scheduling`), a step that drafts nothing and has no grammar or
+        penalty rows is left running on the device: the next call schedules and launches the
+        step after it (a decoding request's input token is carried from the device, `Carry`)
+        and only then reads it back, so the host's work runs while the device computes. A step
+        some request would draft in (`Speculator.is_due`) reads the one in flight first."""
         start = time.perf_counter()
-        mode, num_generated = self.policy.mode, self.metrics.num_generation_tokens
-        offers = self.speculator.offer(self.scheduler.running, mode)
+        outputs: list[RequestOutput] = []
+        running = self.scheduler.running
+        inflight, mode = self._inflight, self.policy.mode
+        if inflight is not None and self.speculator.is_due(running, mode):
+            outputs, inflight = self._complete(inflight), None
+            start = time.perf_counter()
+        offers = self.speculator.offer(running, mode)
         schedule = self.scheduler.schedule(offers)
         if schedule.is_empty:
-            return []
+            return outputs + (self._complete(inflight) if inflight is not None else [])
         self.speculator.after_schedule(schedule.decisions, offers)
         self._record_scheduled(schedule)
         proposing = time.perf_counter()
         drafts = self.speculator.propose(schedule)
         draft_seconds = time.perf_counter() - proposing
-        chunks, items = self._build_batch(schedule, drafts)
-        results, forward_seconds = self._run(chunks, items)
-        # A head drafting from the target's hidden states reads this step's now (the extend).
-        self.speculator.after_step(schedule, chunks, results)
-        verifies, finished, touched = self._update(schedule, chunks, drafts, results)
-        stats = StepStats(
-            decisions=schedule.decisions,
-            verifies=tuple(verifies),
-            num_tokens=sum(len(c.token_ids) for c in chunks),
-            num_rows=sum(c.num_logits for c in chunks),
-            context=sum(attention_reads(c.start, len(c.token_ids)) for c in chunks),
-            forward_seconds=forward_seconds,
-            draft_seconds=draft_seconds,
-            # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy weighs.
-            overhead_seconds=time.perf_counter() - start - forward_seconds - draft_seconds,
-            draft_timing=self.speculator.take_draft_timing(),
-            mode=mode,
-            num_generated=self.metrics.num_generation_tokens - num_generated,
-            skipped=self.speculator.skipped,
-        )
-        if self.step_trace.is_on:  # with what the policy priced the step, before it learns
-            model = self.policy.step_model
-            predicted = model.predict(stats.num_tokens, stats.context, stats.num_rows)
-            self.step_trace.write(
-                stats, len(schedule.scheduled), predicted, self.policy.costs.correction
-            )
-        self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
-        for request in finished:  # freed once the policy has seen their last step
-            self._free(request)
-        return [group.refresh() for group in touched]
+        launched = self._launch(schedule, drafts, inflight, mode, draft_seconds)
+        launched.host_seconds = time.perf_counter() - start - draft_seconds
+        if inflight is not None:
+            outputs += self._complete(inflight)
+        if launched.overlapped:
+            self._inflight = launched
+            return outputs
+        return outputs + self._complete(launched)
 
     def _record_scheduled(self, schedule: SchedulerOutput) -> None:
         """Queue times of sequences scheduled for the first time; a user request's prompt
@@ -221,61 +222,129 @@ class LLMEngine:
             is_first = all(r.first_scheduled_time is None for r in group.requests)
             self.metrics.record_scheduled(request, now, is_first)
 
-    def _build_batch(
-        self, schedule: SchedulerOutput, drafts: dict[str, Draft]
-    ) -> tuple[list[SeqChunk], list[tuple[Request, Draft | None]]]:
-        chunks, items = [], []
-        for s in schedule.scheduled:
-            request, start = s.request, s.request.num_computed_tokens
-            draft = drafts.get(request.request_id)
-            draft_ids = list(draft.token_ids) if draft is not None else []
-            samples = start + s.num_new_tokens == request.num_tokens
-            chunks.append(
-                SeqChunk(
-                    request.all_token_ids[start : start + s.num_new_tokens] + draft_ids,
-                    start,
-                    self.block_manager.get_block_table(request.request_id),
-                    1 + len(draft_ids) if samples else 0,
-                )
-            )
-            if samples:
-                items.append((request, draft))
-        return chunks, items
+    def _overlaps(
+        self, drafts: dict[str, Draft], items: list[tuple[Request, Draft | None]]
+    ) -> bool:
+        """Whether a step may stay in flight while the next is scheduled: it verifies nothing,
+        and no row's sampling reads what the host does not have yet (a grammar's state, the
+        history penalties count)."""
+        if not self.overlap or drafts:
+            return False
+        return all(r.grammar is None and not r.params.has_penalties for r, _ in items)
 
-    def _run(
-        self, chunks: list[SeqChunk], items: list[tuple[Request, Draft | None]]
-    ) -> tuple[list[StepTokens], float]:
-        """The target forward and the verify; returns their results and device seconds."""
-        device = self.runner.device
-        start = device.mark()
-        logits = self.runner.forward(chunks)
-        results = self.verifier.run(logits, items) if logits is not None else []
-        end = device.mark()
-        # The step's one synchronisation: every mark taken in it (the draft model's too) has
-        # passed, so the times the policy learns from are device work, not kernel launches.
-        device.synchronize()
-        return results, device.elapsed(start, end)
-
-    def _update(
+    def _launch(
         self,
         schedule: SchedulerOutput,
-        chunks: list[SeqChunk],
         drafts: dict[str, Draft],
-        results: list[StepTokens],
+        inflight: Launched | None,
+        mode: str,
+        draft_seconds: float,
+    ) -> Launched:
+        """Queue the step's target forward and its sampling on the device (`device_work`). An
+        overlapped step samples into device tensors and queues one copy of them to the host;
+        the others verify (reading their tokens back) within the work."""
+        chunks, items, carried = build_batch(schedule, drafts, self.block_manager)
+        overlapped = self._overlaps(drafts, items)
+        device = self.runner.device
+        rows = self.verifier.rows(items, device.torch)
+        carry = carry_indices(schedule, chunks, carried, inflight, device)
+        work = device_work(
+            self.runner, self.verifier, chunks, items, rows, carry, inflight, overlapped
+        )
+        result = device.launch(work)
+        if overlapped:  # the scheduler counts what the device is computing as done
+            for s, chunk in zip(schedule.scheduled, chunks, strict=True):
+                s.request.num_computed_tokens = chunk.start + s.num_new_tokens
+            for request, _ in items:
+                request.num_in_flight += 1
+        return Launched(
+            schedule,
+            chunks,
+            drafts,
+            items,
+            {r.request_id: i for i, (r, _) in enumerate(items)},
+            logprobs_width(items, self.model_config.vocab_size),
+            result,
+            overlapped,
+            mode,
+            draft_seconds,
+            self.speculator.skipped,
+        )
+
+    def _complete(self, launched: Launched) -> list[RequestOutput]:
+        """Read a launched step back (waiting for its device work, and no later step's), update
+        its requests, and let everyone observe its StepStats."""
+        if self._inflight is launched:
+            self._inflight = None
+        device = self.runner.device
+        out = launched.result.result()
+        device.wait(out.end)  # every mark of the step (the draft model's too) has passed
+        forward_seconds = device.elapsed(out.start, out.end)
+        reading = time.perf_counter()
+        schedule, chunks = launched.schedule, launched.chunks
+        num_generated = self.metrics.num_generation_tokens
+        results = launched.results(out)
+        if not launched.overlapped:
+            # A head drafting from the target's hidden states reads this step's now (the extend).
+            self.speculator.after_step(schedule, chunks, results)
+        verifies, finished, touched = self._update(launched, results)
+        host_seconds = launched.host_seconds + time.perf_counter() - reading
+        stats = StepStats(
+            decisions=schedule.decisions,
+            verifies=tuple(verifies),
+            num_tokens=sum(len(c.token_ids) for c in chunks),
+            num_rows=sum(c.num_logits for c in chunks),
+            context=sum(attention_reads(c.start, len(c.token_ids)) for c in chunks),
+            forward_seconds=forward_seconds,
+            draft_seconds=launched.draft_seconds,
+            # The rest of the step (scheduling, policy, bookkeeping) is overhead the policy
+            # weighs; overlapped, only what the device did not cover.
+            overhead_seconds=max(0.0, host_seconds - forward_seconds)
+            if launched.overlapped
+            else host_seconds,
+            draft_timing=self.speculator.take_draft_timing(),
+            mode=launched.mode,
+            num_generated=self.metrics.num_generation_tokens - num_generated,
+            skipped=launched.skipped,
+            overlapped=launched.overlapped,
+        )
+        if self.step_trace.is_on:  # with what the policy priced the step, before it learns
+            model = self.policy.step_model
+            predicted = model.predict(stats.num_tokens, stats.context, stats.num_rows)
+            self.step_trace.write(
+                stats, len(schedule.scheduled), predicted, self.policy.costs.correction
+            )
+        self._observe(stats, {s.request.request_id: s.request for s in schedule.scheduled})
+        for request in finished:  # freed once the policy has seen their last step
+            self._free(request)
+        return [group.refresh() for group in touched]
+
+    def _update(
+        self, launched: Launched, results: list[StepTokens]
     ) -> tuple[list[VerifyResult], list[Request], list[RequestGroup]]:
         """Append each request's tokens, roll its KV back past rejected drafts, finish it on a
         stop condition. Returns the step's verify results, the requests it finished and the
-        groups it changed."""
+        groups it changed. A request the step computed for may have been aborted (its results
+        are dropped) or preempted (its tokens are kept, its KV is not) since it was launched,
+        or scheduled again (its KV count stays the later step's)."""
+        schedule, chunks, drafts = launched.schedule, launched.chunks, launched.drafts
         verifies: list[VerifyResult] = []
         finished: list[Request] = []
         touched: dict[str, RequestGroup] = {}
         step_results = iter(results)
         for s, chunk in zip(schedule.scheduled, chunks, strict=True):
             request = s.request
+            running = request.status is RequestStatus.RUNNING
             if not chunk.num_logits:  # a prompt chunk short of the end
-                self.scheduler.update(request, chunk.start + s.num_new_tokens)
+                if running:
+                    num_computed = max(request.num_computed_tokens, chunk.start + s.num_new_tokens)
+                    self.scheduler.update(request, num_computed)
                 continue
             result = next(step_results)
+            if launched.overlapped:
+                request.num_in_flight -= 1
+            if request.is_finished:  # aborted while the step ran
+                continue
             num_old = request.num_output_tokens
             status, num_dropped = append_tokens(
                 request, result.token_ids, result.logprobs, self.eos_token_ids, self.max_model_len
@@ -297,12 +366,15 @@ class LLMEngine:
                 )
             elif (shadow := shadow_result(s, result.token_ids[0])) is not None:
                 verifies.append(shadow)
-            # KV stays valid for the known tokens and the accepted drafts; rejected slots roll
-            # back (and so do accepted ones a stop condition cut off).
-            num_computed = min(
-                chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
-            )
-            self.scheduler.update(request, num_computed)
+            if running:
+                # KV stays valid for the known tokens and the accepted drafts; rejected slots
+                # roll back (and so do accepted ones a stop condition cut off).
+                num_computed = min(
+                    chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
+                )
+                if request.num_computed_tokens > chunk.start + s.num_new_tokens:
+                    num_computed = request.num_computed_tokens  # a later step's, in flight
+                self.scheduler.update(request, num_computed)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)

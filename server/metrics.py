@@ -34,7 +34,7 @@ POLICY_DECISIONS: tuple[tuple[str, str], ...] = (
     ("speculate", "goodput"), ("speculate", "fixed"),
     ("skip", "request_opt_out"), ("skip", "batch_size"), ("skip", "utilization"),
     ("skip", "compute_bound"), ("skip", "low_acceptance"), ("skip", "catch_up"),
-    ("skip", "catch_up_cost"), ("skip", "mode_off"), ("skip", "paused"),
+    ("skip", "catch_up_cost"), ("skip", "mode_off"), ("skip", "paused"), ("skip", "in_flight"),
 )  # fmt: skip
 # (series name, EngineSnapshot attribute, help). Counter names leave out `_total`: the
 # exposition adds it. The units behind each number: engine.telemetry.serving_metrics.EngineMetrics.

@@ -68,6 +68,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still on the device (an overlapped step: 0 or 1): counted by
+        # the scheduler as known, appended once the step's results reach the host.
+        self.num_in_flight = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

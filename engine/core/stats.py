@@ -28,6 +28,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "kv_cache_full",  # granted, but the KV pool had no room for the drafts
     "mode_off",  # off
     "paused",  # auto: a lookup whose drafts did not pay is tried again in a few steps
+    "in_flight",  # the request's last token was still on the device (an overlapped step)
 )
 
 
@@ -94,6 +95,9 @@ class StepStats:
     # Decoding requests with a draft source that got k = 0 without a Decision of their own,
     # counted by reason (mode_off, paused): a step of mode off builds nothing per request.
     skipped: tuple[tuple[str, int], ...] = ()
+    # Read back after the next step was launched (overlap scheduling): its overhead is the host
+    # time the device did not cover.
+    overlapped: bool = False
 
     @property
     def seconds(self) -> float:

@@ -42,6 +42,10 @@ Drafted = dict[str, tuple[list[int], list[torch.Tensor]]]
 class ModelDrafter:
     """Base of the model drafters: the chained drafting loop, sampling and timing."""
 
+    # Whether it reads the target's hidden states of every step (`after_step`): an engine with
+    # such a drafter does not overlap steps (the next forward would overwrite them first).
+    reads_target_states = False
+
     name: str
 
     def __init__(

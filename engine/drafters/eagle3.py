@@ -67,6 +67,8 @@ class ExtendSpan:
 class Eagle3Proposer(ModelDrafter):
     """Drafts with an EAGLE-3 head (engine.models.eagle3.head.Eagle3Head) run by its own runner."""
 
+    reads_target_states = True
+
     name = "eagle3"
 
     def __init__(

@@ -74,8 +74,17 @@ class Speculator:
         # was paused in when the batch paused it, else 0): paused lookups only.
         self._paused: dict[str, tuple[int, int, int]] = {}
         self._num_running = 0  # the running batch of the last offer
+        # The whole step's pause, like one request's (the step it is due, the pause, the batch):
+        # while every decision leaves k = 0 for PAUSE_REASONS, an overlapped engine does not stop
+        # overlapping to decide again (`is_due`) before that step.
+        self._batch_pause: tuple[int, int, int] | None = None
         # The decoding requests of the last offer left without one, by reason (mode_off, paused).
         self.skipped: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def reads_target_states(self) -> bool:
+        """Whether a drafter of the chain reads the target's hidden states every step."""
+        return any(p.reads_target_states for p in self._model_drafters)
 
     @classmethod
     def from_context(cls, context: DrafterContext) -> Speculator:
@@ -100,24 +109,22 @@ class Speculator:
             return {}
         step, paused, has_model = self._step, self._paused, bool(self._model_drafters)
         offers: dict[str, DraftOffer] = {}
-        num_skipped = 0
+        num_skipped = num_in_flight = 0
         # A lookup the batch's size paused (compute_bound) is due as soon as the batch has
         # shrunk by a quarter: the load that stopped it may have passed.
         shrunk = 4 * len(requests)
         self._num_running = len(requests)
         for request in requests:  # the step's hottest loop in auto: plain attributes only
+            if request.num_in_flight:  # its last token is on the device: nothing to look up
+                num_in_flight += 1
+                continue
             if (
                 len(request.all_token_ids) - request.num_computed_tokens != 1
                 or not request.output_token_ids
             ):
                 continue
             pause = paused.get(request.request_id)
-            looks_up = (
-                pause is None
-                or pause[0] <= step
-                or shrunk < 3 * pause[2]
-                or request.grammar is not None
-            )
+            looks_up = not _is_paused(pause, step, shrunk) or request.grammar is not None
             if not looks_up:
                 if has_model:
                     offers[request.request_id] = self._model_offer(request)
@@ -129,8 +136,37 @@ class Speculator:
                 offers[request.request_id] = offer
             elif pause is not None:  # a paused lookup's turn found nothing: its pause goes on
                 paused[request.request_id] = (_wake(step, pause[1]), pause[1], pause[2])
-        self.skipped = (("paused", num_skipped),) if num_skipped else ()
+        skipped = (("paused", num_skipped), ("in_flight", num_in_flight))
+        self.skipped = tuple((reason, n) for reason, n in skipped if n)
         return offers
+
+    def is_due(self, requests: Sequence[Request], mode: str) -> bool:
+        """Whether a step now would offer drafts to one of the decoding requests (so an
+        overlapped engine reads the step in flight first: drafts follow the last token). Never
+        in mode off; in always for any request a source could draft for; in auto not while the
+        last decided step left every request at 0 for PAUSE_REASONS (until that pause ends or
+        the batch shrinks by a quarter), else for a model drafter, a lookup not paused, or a
+        request's own source (its prediction)."""
+        if mode == "off":
+            return False
+        step, shrunk = self._step + 1, 4 * len(requests)
+        if mode == "auto" and _is_paused(self._batch_pause, step, shrunk):
+            return False
+        paused, chain = self._paused, bool(self.chain)
+        model = bool(self._model_drafters)
+        for request in requests:
+            if (
+                len(request.all_token_ids) + request.num_in_flight - request.num_computed_tokens
+                != 1
+            ):
+                continue
+            if request.grammar is not None or request.prediction_token_ids or model:
+                return True
+            if chain and (
+                mode != "auto" or not _is_paused(paused.get(request.request_id), step, shrunk)
+            ):
+                return True
+        return False
 
     def _count_off(self, requests: Sequence[Request]) -> tuple[tuple[str, int], ...]:
         """Mode off's skips: the decoding requests some source could draft for, with room for a
@@ -139,7 +175,8 @@ class Speculator:
         num = 0
         for request in requests:
             if (
-                len(request.all_token_ids) - request.num_computed_tokens == 1
+                len(request.all_token_ids) + request.num_in_flight - request.num_computed_tokens
+                == 1
                 and 0 < len(request.output_token_ids) < request.max_tokens - 1
                 and (any_source or request.grammar is not None or request.prediction_token_ids)
             ):
@@ -150,6 +187,15 @@ class Speculator:
         """Pause the lookups the policy left at 0 because they do not pay (PAUSE_REASONS), each
         pause twice the last up to LOOKUP_PAUSE_MAX steps; a granted lookup is no longer paused."""
         paused = self._paused
+        if decisions:
+            if all(not d.num_draft_tokens and d.reason in PAUSE_REASONS for d in decisions):
+                last = (self._batch_pause or (0, LOOKUP_PAUSE_MIN // 2, 0))[1]
+                pause = min(2 * last, LOOKUP_PAUSE_MAX)
+                bound = any(d.reason == "compute_bound" for d in decisions)
+                batch = self._num_running if bound else 0
+                self._batch_pause = (_wake(self._step, pause), pause, batch)
+            else:
+                self._batch_pause = None
         for d in decisions:
             offer = offers.get(d.request_id)
             if offer is None or offer.draft is None or d.source == "grammar":
@@ -241,6 +287,12 @@ class Speculator:
         self._paused.pop(request.request_id, None)
         for proposer in (self.grammar, self.prediction, *self.chain):
             proposer.free(request)
+
+
+def _is_paused(pause: tuple[int, int, int] | None, step: int, shrunk: int) -> bool:
+    """Whether a pause (due step, length, batch) still holds at `step` with a running batch of
+    shrunk / 4 (it ends at its step, or once the batch it held in has shrunk by a quarter)."""
+    return pause is not None and pause[0] > step and shrunk >= 3 * pause[2]
 
 
 def _wake(step: int, pause: int) -> int:

@@ -54,6 +54,7 @@ import torch
 from engine.attention.base import BatchLayout, flatten_step
 from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
+from engine.execution.carry import Carry
 from engine.execution.graph_buckets import Bucket, choose_bucket, graph_sizes, verify_query_len
 from engine.models.llama import ForwardContext
 
@@ -211,12 +212,14 @@ class CudaGraphs:
         return choose_bucket(self._sizes, self.max_model_len, chunks)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None | _NotCaptured:
+    def forward(
+        self, chunks: Sequence[SeqChunk], carry: Carry | None = None
+    ) -> torch.Tensor | None | _NotCaptured:
         """Replay the step's bucket -> logits [sum of num_logits, vocab_size] (float32), rows in
         chunk order, or None when no chunk asks for logits, as ModelRunner.forward returns
         them; NOT_CAPTURED when no bucket holds the step. A tapped model's taps of the step's
         tokens are left in `model.aux_hidden` (valid until the next replay)."""
-        replayed = self._replay(chunks, None)
+        replayed = self._replay(chunks, None, carry)
         if replayed is NOT_CAPTURED:
             return NOT_CAPTURED
         step, hidden = replayed
@@ -252,26 +255,36 @@ class CudaGraphs:
         return None
 
     def _load_step(
-        self, chunks: Sequence[SeqChunk], bucket: Bucket, hidden_in: torch.Tensor | None
+        self,
+        chunks: Sequence[SeqChunk],
+        bucket: Bucket,
+        hidden_in: torch.Tensor | None,
+        carry: Carry | None = None,
     ) -> Any:
-        """Copy the step (and a hidden input) into the fixed tensors -> the flattened step."""
+        """Copy the step (and a hidden input, and the carried tokens) into the fixed tensors ->
+        the flattened step."""
         step = flatten_step(chunks, self._runner.block_size)
         n = step.layout.num_tokens
         self._load(step.layout, step.token_ids, step.positions, bucket.num_tokens)
+        if carry is not None:
+            carry.apply(self._ids)  # device to device, after the ids' copy in stream order
         if self._hidden_in is not None:
             assert hidden_in is not None and hidden_in.shape[0] == n
             self._hidden_in[:n].copy_(hidden_in)  # device to device, in stream order
         return step
 
     def _replay(
-        self, chunks: Sequence[SeqChunk], hidden_in: torch.Tensor | None
+        self,
+        chunks: Sequence[SeqChunk],
+        hidden_in: torch.Tensor | None,
+        carry: Carry | None = None,
     ) -> tuple[Any, torch.Tensor] | _NotCaptured:
         """Load and replay the step's bucket -> (the flattened step, the output rows of its
         tokens, valid until the next replay), or NOT_CAPTURED."""
         bucket = self.bucket(chunks)
         if bucket is None:
             return NOT_CAPTURED
-        step = self._load_step(chunks, bucket, hidden_in)
+        step = self._load_step(chunks, bucket, hidden_in, carry)
         n = step.layout.num_tokens
         captured = self._graphs[bucket]
         captured.graph.replay()

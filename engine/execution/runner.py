@@ -17,6 +17,7 @@ from engine.attention import get_attention_backend
 from engine.attention.base import flatten_step
 from engine.config import EngineConfig
 from engine.core.chunks import SeqChunk
+from engine.execution.carry import Carry
 from engine.execution.cuda_graphs import NOT_CAPTURED, make_cuda_graphs
 from engine.models.config import ModelConfig
 from engine.models.eagle3.head import Eagle3Head
@@ -136,8 +137,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.graphs = make_cuda_graphs(self, self.config, max_query_len=max_query_len)
 
-    def step_inputs(self, chunks: Sequence[SeqChunk]) -> tuple[Any, ForwardContext, torch.Tensor]:
-        """The flattened step, its forward context and its token ids [num_tokens] on the device."""
+    def step_inputs(
+        self, chunks: Sequence[SeqChunk], carry: Carry | None = None
+    ) -> tuple[Any, ForwardContext, torch.Tensor]:
+        """The flattened step, its forward context and its token ids [num_tokens] on the device
+        (with `carry`'s tokens written over the positions it names)."""
         step = flatten_step(chunks, self.block_size)
         pos = self.device.tensor(step.positions, torch.int64)  # [num_tokens]
         cos, sin = self.rope(pos, self.dtype)
@@ -149,7 +153,10 @@ class ModelRunner:
             sin=sin,
             fused=self.fused,
         )
-        return step, ctx, self.device.tensor(step.token_ids, torch.int64)
+        ids = self.device.tensor(step.token_ids, torch.int64)  # [num_tokens]
+        if carry is not None:
+            carry.apply(ids)
+        return step, ctx, ids
 
     @torch.inference_mode()
     def hidden_forward(self, chunks: Sequence[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
@@ -175,16 +182,18 @@ class ModelRunner:
         self.model.write_kv(ids, ctx, hidden)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
+    def forward(
+        self, chunks: Sequence[SeqChunk], carry: Carry | None = None
+    ) -> torch.Tensor | None:
         """One forward over all chunks -> logits [sum of num_logits, vocab_size] (float32),
         rows in chunk order, or None when no chunk asks for logits. A decode or verify step
         that fits a captured CUDA graph replays it instead (the taps of a model an EAGLE-3 head
-        reads included)."""
+        reads included). `carry`: input tokens the previous step sampled on the device."""
         if self.graphs is not None:
-            logits = self.graphs.forward(chunks)
+            logits = self.graphs.forward(chunks, carry)
             if logits is not NOT_CAPTURED:
                 return logits
-        step, ctx, ids = self.step_inputs(chunks)
+        step, ctx, ids = self.step_inputs(chunks, carry)
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
         if not step.logit_rows:
             return None

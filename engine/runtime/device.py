@@ -17,10 +17,13 @@ the source to hold engine/ to both rules.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -47,6 +50,17 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def to_host(values: torch.Tensor) -> torch.Tensor:
+    """A device tensor's values on the host, copied without blocking: on CUDA a pinned tensor
+    that holds them once the device has passed a mark recorded after this call (read it only
+    after `Device.wait` on such a mark); on CPU the tensor itself."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
+
+
 class Device:
     """One torch device and the rules for using it."""
 
@@ -69,6 +83,22 @@ class Device:
         self.num_synchronizations += 1
         if self.is_cuda:
             torch.cuda.synchronize(self.torch)
+
+    def wait(self, mark: Any) -> None:
+        """Wait until the device work queued before `mark` is done, and no more (the work queued
+        after it, an overlapped step's next one, keeps running): one synchronisation."""
+        self.num_synchronizations += 1
+        if self.is_cuda:
+            mark.synchronize()
+
+    def launch(self, work: Callable[[], T]) -> Future[T]:
+        """Queue a step's device work: `work` launches its kernels (on CUDA they run after the
+        host returns) and returns its outputs, device tensors whose values may not exist yet;
+        read them after `wait` on a mark the work recorded. Here the work is called at once; a
+        test's fake runs it on a thread of its own, a device stream the host does not wait for."""
+        future: Future[T] = Future()
+        future.set_result(work())
+        return future
 
     def now(self) -> float:
         """perf_counter() once the device's queued work is done (start-up timings)."""

@@ -53,6 +53,19 @@ class _History(Sequence[int]):
         yield from self._extra
 
 
+class _Unread(Sequence[int]):
+    """The history of a row whose last token is in flight: its length only."""
+
+    def __init__(self, length: int) -> None:
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        raise LookupError("the history of a row in flight has no values on the host")
+
+
 def sampling_row(
     request: Request, draft_ids: Sequence[int], device: torch.device, stream: int = 0
 ) -> SamplingRow:
@@ -60,11 +73,17 @@ def sampling_row(
     position and stream. (`device`, where the logits live, is kept for callers: the key is a
     plain integer, its draws are made on the logits' device.)"""
     params, output = request.params, request.output_token_ids
-    index = len(output) + len(draft_ids)
+    index = len(output) + request.num_in_flight + len(draft_ids)
+    history: Sequence[int] = _History(output, draft_ids) if draft_ids else output
+    if request.num_in_flight:
+        # Its last token is still on the device (an overlapped step): only rows that read no
+        # history's values get here (no penalties), and what they read, its length, is fixed.
+        assert not draft_ids and not params.has_penalties
+        history = _Unread(index)
     return SamplingRow(
         params=params,
         prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=_History(output, draft_ids) if draft_ids else output,
+        output_token_ids=history,
         random_key=None if params.is_greedy else request.random_key(index, stream),
     )
 

@@ -73,7 +73,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_in_flight and _ends_in_flight(request, self.max_model_len):
+                i += 1  # its last token is on the device: it stops once that lands
+                continue
+            num_new = min(
+                request.num_tokens + request.num_in_flight - request.num_computed_tokens, budget
+            )
             is_kept, num_victims = self._allocate_or_preempt(request, num_new)
             num_preempted += num_victims
             if not is_kept:
@@ -95,6 +100,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.num_in_flight:  # preempted with a token on the device: once it lands
+                break
             cached_blocks, num_cached = self.block_manager.get_computed_blocks(
                 request.all_token_ids
             )
@@ -216,3 +223,12 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request.request_id)
+
+
+def _ends_in_flight(request: Request, max_model_len: int) -> bool:
+    """Whether the token a request has in flight is its last (max_tokens or the context)."""
+    num_tokens = request.num_tokens + request.num_in_flight
+    return (
+        request.num_output_tokens + request.num_in_flight >= request.max_tokens
+        or num_tokens >= max_model_len
+    )

@@ -59,6 +59,9 @@ class EngineMetrics:
     request_queue_time: Histogram = _histogram(LATENCY_BUCKETS)
     draft_time: Histogram = _histogram(STEP_PART_BUCKETS)
     verify_time: Histogram = _histogram(STEP_PART_BUCKETS)
+    # Engine steps, and those read back after the next was launched (overlap scheduling).
+    num_steps: int = 0
+    num_overlapped_steps: int = 0
 
     def record_scheduled(self, request: Request, now: float, is_first_of_group: bool) -> None:
         """A sequence scheduled for the first time at `now` (sets its first_scheduled_time)."""
@@ -83,7 +86,9 @@ class EngineMetrics:
 
     def observe_step(self, step: StepStats) -> None:
         """A step's drafting time (when some request was granted drafts) and verify time (when
-        drafts were verified)."""
+        drafts were verified), and whether it overlapped."""
+        self.num_steps += 1
+        self.num_overlapped_steps += step.overlapped
         if any(d.num_draft_tokens for d in step.decisions):
             self.draft_time.observe(step.draft_seconds)
         if step.has_drafts:

@@ -198,7 +198,9 @@ class FeatureRecorder:
         forward = self.runner.forward
         # The runner's forward, wrapped for this engine's steps (an instance attribute over the
         # method, removed again on exit).
-        self.runner.forward = lambda chunks: self._record(chunks, forward(chunks))  # type: ignore[method-assign]
+        self.runner.forward = lambda chunks, carry=None: self._record(  # type: ignore[method-assign]
+            chunks, forward(chunks, carry)
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

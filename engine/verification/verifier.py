@@ -46,16 +46,29 @@ class Verifier:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
-    def run(
-        self, logits: torch.Tensor, items: Sequence[tuple[Request, Draft | None]]
-    ) -> list[StepTokens]:
-        """logits [num_rows, vocab]: rows of the items in order (1 + len(draft) each)."""
-        drafts = [list(d.token_ids) if d is not None else [] for _, d in items]
-        rows = [
+    @staticmethod
+    def rows(
+        items: Sequence[tuple[Request, Draft | None]], device: torch.device
+    ) -> list[SamplingRow]:
+        """The sampling rows of the items in order (1 + len(draft) each), built on the host
+        before the step is launched: a request's state may move on while its step runs."""
+        return [
             row
-            for (req, _), ids in zip(items, drafts, strict=True)
-            for row in sampling_rows(req, ids, logits.device)
+            for req, d in items
+            for row in sampling_rows(req, list(d.token_ids) if d is not None else [], device)
         ]
+
+    def run(
+        self,
+        logits: torch.Tensor,
+        items: Sequence[tuple[Request, Draft | None]],
+        rows: list[SamplingRow] | None = None,
+    ) -> list[StepTokens]:
+        """logits [num_rows, vocab]: rows of the items in order (1 + len(draft) each); `rows`
+        their sampling rows (`Verifier.rows`), built here when not given."""
+        drafts = [list(d.token_ids) if d is not None else [] for _, d in items]
+        if rows is None:
+            rows = self.rows(items, logits.device)
         starts = _row_starts(drafts)
         masks = grammar_masks([r for r, _ in items], drafts, starts, self.sampler.vocab_size)
         is_prob = [
@@ -68,6 +81,11 @@ class Verifier:
                 verified.output_token_ids, verified.num_accepted, drafts, starts, sampled
             )
         return self._run_with_probs(logits, items, drafts, rows, starts, is_prob, masks)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """One token per row of a step that verifies nothing and masks nothing (an overlapped
+        step): the sampler's tensors as they are, nothing read back to the host."""
+        return self.sampler.sample(logits, rows)
 
     def _run_with_probs(
         self,
@@ -190,3 +208,37 @@ def _results(
             ]
         results.append(StepTokens(list(out), len(ids), num, entries))
     return results
+
+
+def pack(sampled: SamplerOutput) -> torch.Tensor:
+    """A step's sampled tokens and their logprobs as one int64 tensor on their device, so that
+    one copy brings them to the host: [ids (n) | top ids (n * w) | logprob bits (n) | top
+    logprob bits (n * w)], the float32 values as their bit patterns."""
+    parts = [sampled.token_ids]
+    if sampled.logprobs is not None:
+        assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
+        parts += [
+            sampled.top_token_ids.flatten(),
+            sampled.logprobs.view(torch.int32).to(torch.int64),
+            sampled.top_logprobs.flatten().view(torch.int32).to(torch.int64),
+        ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def unpack(host: torch.Tensor, num_rows: int, width: int | None) -> SamplerOutput:
+    """`pack`'s tensor, on the host, back into a SamplerOutput (width: the top logprobs', None
+    when no row asked for logprobs)."""
+    ids = host[:num_rows]
+    if width is None:
+        return SamplerOutput(ids, None, None, None)
+    n, w = num_rows, width
+    top_ids = host[n : n + n * w].view(n, w)
+    logprobs = host[n + n * w : 2 * n + n * w].to(torch.int32).view(torch.float32)
+    top = host[2 * n + n * w :].to(torch.int32).view(torch.float32).view(n, w)
+    return SamplerOutput(ids, logprobs, top_ids, top)
+
+
+def sampled_results(sampled: SamplerOutput, num_rows: int) -> list[StepTokens]:
+    """StepTokens of rows that each emitted one token and verified nothing."""
+    tokens = [[t] for t in sampled.token_ids.tolist()]
+    return _results(tokens, [0] * num_rows, [[]] * num_rows, list(range(num_rows)), sampled)

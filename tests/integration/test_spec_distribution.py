@@ -177,7 +177,7 @@ def _predictions(probs: dict[tuple[int, ...], torch.Tensor], num: int) -> list[l
     return predictions
 
 
-def _engine(setup: Setup, method: str) -> LLMEngine:
+def _engine(setup: Setup, method: str, overlap: bool = False) -> LLMEngine:
     # Predicted outputs need no speculative config: the requests carry their drafts. Mode
     # "always" drafts every step, so every sample exercises the rejection sampler.
     spec: dict[str, object] | None = None
@@ -205,6 +205,7 @@ def _engine(setup: Setup, method: str) -> LLMEngine:
         block_size=BLOCK_SIZE,
         num_kv_blocks=2 * MAX_NUM_SEQS,
         speculative_config=spec,
+        overlap_scheduling=overlap,
     )
     return llm.engine
 
@@ -263,6 +264,21 @@ def test_first_tokens_follow_target_distribution(setup, option, method):
     if method == "prediction":
         assert stats.num_prediction_accepted == stats.num_accepted_tokens
         assert stats.num_prediction_rejected == num_rejected
+    assert result.pvalue > ALPHA, result.describe()
+
+
+@pytest.mark.parametrize("option", ["top_p"])
+def test_overlapped_steps_follow_target_distribution(setup, option):
+    """Without drafts and with overlap scheduling, tokens 2 and 3 are sampled by steps launched
+    before the host read the token they take as input (carried on the device): the law is
+    still the target's."""
+    engine = _engine(setup, "plain", overlap=True)
+    params = SamplingParams(**OPTIONS[option])
+    probs = processed_probs(setup.raw_logits, setup.prompt, params, engine.eos_token_ids)
+    seed = 10**9 + list(OPTIONS).index(option) * 10**6
+    samples = _sample(engine, params, setup.prompt, [None], NUM_SAMPLES, seed)
+    result = tree_chisquare(samples, probs)
+    assert engine.metrics.num_overlapped_steps >= engine.metrics.num_steps // 2
     assert result.pvalue > ALPHA, result.describe()
 
 

@@ -136,7 +136,7 @@ def _runner(model_parts, backend, num_blocks: int) -> SimpleNamespace:
         graphs=None,
         fused=False,
     )
-    runner.step_inputs = lambda chunks: ModelRunner.step_inputs(runner, chunks)  # type: ignore[arg-type]
+    runner.step_inputs = lambda chunks, carry=None: ModelRunner.step_inputs(runner, chunks, carry)  # type: ignore[arg-type]
     return runner
 
 

@@ -140,6 +140,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         (True, False),
         (False, False),
         (True, False),  # the layers' torch formulation
+        (True, False),  # every step in series
         (True, False),
         (True, True),
         (True, False),
@@ -161,6 +162,10 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
     unfused = engines.pop(2)
     assert unfused["engine"]["speculation"] is None
     assert [(p["mode"], p["concurrency"]) for p in unfused["points"]] == [("off", 1), ("off", 64)]
+    serial = engines.pop(2)
+    assert serial["engine"]["speculation"] is None
+    assert serial["engine"]["overlap_scheduling"] is False
+    assert [(p["mode"], p["concurrency"]) for p in serial["points"]] == [("off", 1), ("off", 64)]
     assert [(p["mode"], p["concurrency"]) for p in ngram["points"]] == [
         ("auto", c) for c in CONCURRENCIES
     ]
@@ -201,6 +206,7 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, capsys):
         + len(CONCURRENCIES)
         + 2 * len(INVARIANT_CONCURRENCIES)
         + 2  # the torch formulation's
+        + 2  # the serial steps'
     )
     assert printed.rstrip().endswith("===== gpu-smoke: PASS")
 
@@ -322,7 +328,7 @@ def test_bench_failures_name_what_fails_a_node():
     (over,) = bench_failures(_bench(10, 0.8, 3 * 2**30, 2**31))
     assert "past the budget (3.0 / 2.0 GiB)" in over
     assert (
-        "| on | off | auto | 8 | 100 | - | - | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |"
+        "| on | off | auto | 8 | 100 | - | - | - | 5.0 | 9.0 | 0.80 | - | 0.50 | 1000 | 1.0 / 2.0 |"
         in (markdown_table(_bench(10, 0.8, 2**30, 2**31)))
     )
 

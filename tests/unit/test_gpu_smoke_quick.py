@@ -19,5 +19,6 @@ def test_the_quick_form_runs_the_core_alone(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     assert result["quick"] is True and "checks" not in result
     engines = result["bench"]["engines"]
-    assert [len(e["points"]) for e in engines] == [len(MODES) * len(CONCURRENCIES), 2]
+    assert [len(e["points"]) for e in engines] == [len(MODES) * len(CONCURRENCIES), 2, 2]
     assert engines[1]["engine"]["speculation"] is None
+    assert engines[2]["engine"]["overlap_scheduling"] is False

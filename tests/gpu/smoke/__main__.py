@@ -19,12 +19,14 @@ Stages, in order; the first failure of the environment stops it, later stages al
    off and auto, CUDA graphs on and off; then the batch-invariant mode's price at c = 1, 8, and a
    random EAGLE-3 head (mode always, graphs on) at c = 1, 8: its graphs' replay share and its
    steps' cost; and the torch formulation of the layers (`fused_layers: false`, graphs on, off)
-   at c = 1, 64, beside the fused kernels' rows (tests/gpu/smoke/bench.py). Each point reports
-   the forward's achieved bandwidth and the host's time a step; each engine the kernels one
-   eager decode step launches.
-`--quick` skips the checks and keeps the graphs engine (off and auto at c = 1, 8, 64) and the
-torch formulation's, 10 s a point: about 5 minutes on an H100 or H200 (estimated: two engines
-built ~1.5 min, 8 points x 10 s, the model 30 s), for a machine lent for minutes.
+   at c = 1, 64, beside the fused kernels' rows, and every step in series (`overlap_scheduling:
+   false`, off) at c = 1, 64 beside the overlapped ones (tests/gpu/smoke/bench.py). Each point
+   reports the forward's achieved bandwidth, the host's time a step and its share of overlapped
+   steps; each engine the kernels one eager decode step launches.
+`--quick` skips the checks and keeps the graphs engine (off and auto at c = 1, 8, 64), the
+torch formulation's and the serial one's, 10 s a point: about 6 minutes on an H100 or H200
+(estimated: three engines built ~2 min, 10 points x 10 s, the model 30 s), for a machine lent
+for minutes.
 It writes one JSON (--out; default $OUT/gpu-smoke.json where $OUT is set, else
 bench/results/gpu-smoke.json) and prints one markdown table. Exit status 0 only when every stage
 passed.
@@ -235,6 +237,10 @@ def run_bench(
         unfused = {**overrides, "fused_layers": False, "speculative_config": None}
         config = engine_config(pair, torch.device(device), True, **unfused)
         one("unfused", lambda: run_engine(config, workload, (1, 64)))
+        # Every step in series (overlap scheduling off) beside the overlapped steps.
+        serial = {**overrides, "overlap_scheduling": False, "speculative_config": None}
+        serial_config = engine_config(pair, torch.device(device), True, **serial)
+        one("serial", lambda: run_engine(serial_config, workload, (1, 64)))
         if quick:
             return bench
         # Mode auto with n-gram lookup alone: what the draft model adds or costs beside it.

@@ -176,6 +176,7 @@ def _engine_facts(engine: LLMEngine, config: EngineConfig, build_s: float) -> di
         "build_s": round(build_s, 2),
         "step_model": _step_model(engine),
         "fused_layers": config.fused_layers,
+        "overlap_scheduling": engine.overlap,
         "kernels_per_decode_step": _kernels_per_decode_step(engine),
     }
 

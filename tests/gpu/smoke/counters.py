@@ -15,7 +15,7 @@ class StepBreakdown:
     """Where a point's steps spent their time, from the StepStats the engine hands its policy
     stats (wrapped on the instance, as ReplayCounter wraps the forwards): the target forward,
     drafting (lookups and draft-model forwards) and the rest, split by whether the step verified
-    drafts; the forward's achieved memory bandwidth (the bytes a step must read, the target's
+    drafts; the share of steps that overlapped the next one's scheduling; the forward's achieved memory bandwidth (the bytes a step must read, the target's
     weights and the KV its attention reads, over the forward's device time: against the card's
     HBM bandwidth, how near the bandwidth limit the forward runs); and the policy's decisions
     by reason."""
@@ -42,7 +42,7 @@ class StepBreakdown:
         if not step.num_tokens:
             return
         key = "with_drafts" if step.has_drafts else "without_drafts"
-        sums = self._sums.setdefault(key, [0.0] * 6)
+        sums = self._sums.setdefault(key, [0.0] * 7)
         read = self._weight_bytes + self._kv_bytes_per_read * step.context
         for i, value in enumerate(
             (
@@ -52,13 +52,14 @@ class StepBreakdown:
                 step.draft_seconds,
                 step.overhead_seconds,
                 read,
+                step.overlapped,
             )
         ):
             sums[i] += value
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for key, (steps, tokens, forward, draft, rest, read) in self._sums.items():
+        for key, (steps, tokens, forward, draft, rest, read, overlapped) in self._sums.items():
             out[key] = {
                 "steps": int(steps),
                 "tokens_per_step": round(tokens / steps, 1),
@@ -67,6 +68,9 @@ class StepBreakdown:
                 "rest_ms": round(rest / steps * 1e3, 3),
                 "read_mb_per_step": round(read / steps / 1e6, 1),
                 "forward_gb_per_s": round(read / forward / 1e9, 1) if forward > 0 else None,
+                # Steps read back after the next was launched (overlap scheduling); their
+                # rest_ms is the host time the device did not cover.
+                "overlap_share": round(overlapped / steps, 3),
             }
         decisions = {
             f"{d}/{r}": n - self._decisions_before.get((d, r), 0)
