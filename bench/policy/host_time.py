@@ -45,39 +45,61 @@ MS = [3.46, 3.47, 3.5, 3.9, 4.0, 4.3, 4.77, 6.0, 8.5, 13.0, 22.0]
 
 
 def _scripted_forward(runner: Any, model: Any, vocab: int) -> Any:
-    """A forward that does a real forward's host work, sleeps for the step model's time, and
-    returns one-hot logits of a hash of each sampling row's token, position and sequence."""
+    """A forward that does a real forward's host work, sleeps for the step model's time (or
+    queues it on a device whose timeline runs beside the host, bench/policy/overlap.py), and
+    returns one-hot logits of a hash of each sampling row's input token (a token an overlapped
+    step carries included, as the device has it), position and sequence."""
     import torch
 
-    def forward(chunks: Any) -> Any:
-        step, _, _ = runner.step_inputs(chunks)  # the flattened step and its attention metadata
-        time.sleep(model.predict(len(step.token_ids), 0, len(step.logit_rows)))
+    def forward(chunks: Any, carry: Any = None) -> Any:
+        # The flattened step, its attention metadata and its input ids.
+        step, _, ids = runner.step_inputs(chunks, carry)
+        seconds = model.predict(len(step.token_ids), 0, len(step.logit_rows))
+        enqueue = getattr(runner.device, "enqueue", None)  # a device with a timeline of its own
+        if enqueue is not None:
+            enqueue(seconds)
+        else:
+            time.sleep(seconds)
         if not step.logit_rows:
             return None
-        ids, positions = [], []
+        rows, positions = [], []
+        first = 0
         for c in chunks:
             for j in range(len(c.token_ids) - c.num_logits, len(c.token_ids)):
-                ids.append(c.token_ids[j])
+                rows.append(first + j)
                 positions.append(c.start + j + 7919 * c.block_table[0])
-        key = torch.tensor(ids) * 1_000_003 + torch.tensor(positions) * 7_368_787
+            first += len(c.token_ids)
+        key = ids[torch.tensor(rows)] * 1_000_003 + torch.tensor(positions) * 7_368_787
         tokens = (key ^ (key >> 13)) % (vocab - 3) + 3  # never bos (1) or eos (2)
-        logits = torch.zeros(len(ids), vocab)
-        logits[torch.arange(len(ids)), tokens] = 10.0
+        logits = torch.zeros(len(rows), vocab)
+        logits[torch.arange(len(rows)), tokens] = 10.0
         return logits
 
     return forward
 
 
-def time_steps(num_requests: int, mode: str, steps: int, model_dir: str) -> dict[str, float]:
-    """Median host seconds of an engine step of `num_requests` decoding requests in `mode`, and
-    the share of timed steps that drafted."""
+def step_model() -> Any:
+    """The scripted device's step-time model, held at its figures (rate 0): the fake's measured
+    forward holds the CPU's verify as well, which a model learning from it would read as a
+    flatter curve. Its observe still runs, as every step's does."""
+    from engine.policy.step_time import StepTimeModel
+
+    ms = [m / 1e3 for m in MS]
+    return StepTimeModel(GRID, ms, context_coef=2.0e-7, row_coef=2.0e-6, rate=0.0)
+
+
+def scripted_engine(
+    num_requests: int, mode: str, steps: int, model_dir: str, overlap: bool = False
+) -> Any:
+    """An engine of `num_requests` decoding requests (32-token prompts, ignore_eos) over the
+    scripted device, drafting by n-gram lookup in `mode`, its policy pricing with
+    `step_model`."""
     import random
 
     import torch
 
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.policy.step_time import StepTimeModel
     from engine.sampling_params import SamplingParams
     from engine.speculative_config import SpeculativeConfig
 
@@ -96,16 +118,9 @@ def time_steps(num_requests: int, mode: str, steps: int, model_dir: str) -> dict
         num_kv_blocks=num_requests * ((PROMPT_TOKENS + max_tokens) // 16 + 3),
         speculative_config=spec,
         seed=0,
+        overlap_scheduling=overlap,
     )
     engine = LLMEngine(config)
-
-    def step_model() -> StepTimeModel:
-        # Held at the scripted device's figures (rate 0): the fake's measured forward holds the
-        # CPU's verify as well, which a model learning from it would read as a flatter curve.
-        # Its observe still runs, as every step's does.
-        ms = [m / 1e3 for m in MS]
-        return StepTimeModel(GRID, ms, context_coef=2.0e-7, row_coef=2.0e-6, rate=0.0)
-
     vocab = engine.model_config.vocab_size
     engine.runner.forward = _scripted_forward(engine.runner, step_model(), vocab)
     policy = engine.policy
@@ -117,6 +132,13 @@ def time_steps(num_requests: int, mode: str, steps: int, model_dir: str) -> dict
     for i in range(num_requests):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
         engine.add_request(f"r{i}", prompt, params)
+    return engine
+
+
+def time_steps(num_requests: int, mode: str, steps: int, model_dir: str) -> dict[str, float]:
+    """Mean host seconds of an engine step of `num_requests` decoding requests in `mode`, and
+    the share of timed steps that drafted."""
+    engine = scripted_engine(num_requests, mode, steps, model_dir)
     seconds: list[float] = []
     drafted = 0
 
