@@ -53,6 +53,9 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Sequences preempted to free KV blocks."),
     ("prefix_cache_queries", "num_prefix_cache_queries", "Tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "num_prefix_cache_hits", "Tokens found in the prefix cache."),
+    ("engine_steps", "num_steps", "Engine steps (target forwards)."),
+    ("overlapped_steps", "num_overlapped_steps",
+     "Engine steps read back after the next step was launched (overlap scheduling)."),
     ("spec_decode_num_drafts", "num_drafts", "Verify steps with at least one draft token."),
     ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
     ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
@@ -111,6 +114,8 @@ class EngineSnapshot:
     num_preemptions: int
     num_prefix_cache_queries: int  # tokens
     num_prefix_cache_hits: int  # tokens
+    num_steps: int
+    num_overlapped_steps: int
     time_to_first_token: HistogramData
     inter_token_latency: HistogramData
     e2e_request_latency: HistogramData
@@ -154,6 +159,8 @@ def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_preemptions=scheduler.num_preemptions_total,
         num_prefix_cache_queries=scheduler.num_prefix_cache_queries,
         num_prefix_cache_hits=scheduler.num_prefix_cache_hits,
+        num_steps=serving.num_steps,
+        num_overlapped_steps=serving.num_overlapped_steps,
         time_to_first_token=HistogramData.of(serving.time_to_first_token),
         inter_token_latency=HistogramData.of(serving.inter_token_latency),
         e2e_request_latency=HistogramData.of(serving.e2e_request_latency),

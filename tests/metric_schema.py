@@ -17,6 +17,8 @@ COUNTERS = (
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "engine_steps",
+    "overlapped_steps",
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",

@@ -211,9 +211,19 @@ SERVING = (
             ),
         ),
         unit="percentunit",
-        width=24,
+        width=12,
         height=6,
         description="Prompt blocks found in the prefix cache, per block looked up.",
+    ),
+    Panel(
+        "Overlapped steps",
+        (Query(f"{rate('overlapped_steps_total')} / {rate('engine_steps_total')}"),),
+        unit="percentunit",
+        width=12,
+        height=6,
+        description="Engine steps read back after the next step was launched (overlap "
+        "scheduling): the host's work of those steps ran while the device computed. Steps that "
+        "draft, or have a grammar or penalty row, run in series.",
     ),
 )
 
