@@ -165,6 +165,9 @@ class TritonAttentionBackend:
     """Paged attention by one Triton kernel per layer (CUDA; Triton's interpreter on CPU)."""
 
     name = "triton"
+    # Each program reads its own token's position and request, never a longest query, so a
+    # captured step holds any mix of chunks (engine/execution/graph_buckets.choose_bucket).
+    any_query_len = True
 
     def allocate_static_metadata(
         self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device

@@ -172,6 +172,9 @@ class CudaGraphs:
         self._runner = runner
         self._capture = capture
         self._sizes = {q: tuple(sorted(s)) for q, s in sorted(sizes.items())}
+        # A backend whose captured attention takes any query length (Triton's) replays mixed
+        # steps too: decodes beside a prompt chunk, a draft model's catch-up.
+        self._any_query_len = bool(getattr(runner.backend, "any_query_len", False))
         device = runner.device.torch
         max_tokens = max(max(s) for s in self._sizes.values())
         # The rope table covers every position a sequence may reach: the longest context.
@@ -209,7 +212,7 @@ class CudaGraphs:
 
     def bucket(self, chunks: Sequence[SeqChunk]) -> Bucket | None:
         """The smallest captured bucket that holds this step, or None (run it eagerly)."""
-        return choose_bucket(self._sizes, self.max_model_len, chunks)
+        return choose_bucket(self._sizes, self.max_model_len, chunks, self._any_query_len)
 
     @torch.inference_mode()
     def forward(

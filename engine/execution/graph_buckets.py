@@ -68,15 +68,27 @@ def graph_sizes(config: EngineConfig, max_query_len: int) -> dict[int, tuple[int
 
 
 def choose_bucket(
-    sizes: Mapping[int, Sequence[int]], max_model_len: int, chunks: Sequence[SeqChunk]
+    sizes: Mapping[int, Sequence[int]],
+    max_model_len: int,
+    chunks: Sequence[SeqChunk],
+    any_query_len: bool = False,
 ) -> Bucket | None:
     """The smallest bucket of `sizes` (max query length -> sorted token counts, shortest query
     first) that holds this step, or None (run it eagerly): every chunk within the longest
     context and the bucket's query length, all tokens within its count. A chunk's num_logits
-    does not matter (see the module's docstring)."""
+    does not matter (see the module's docstring). `any_query_len`: the backend's captured
+    attention reads each token's own position and request, not a longest query (Triton's), so
+    any bucket holds any mix of chunks (decodes beside a prompt chunk) within its count."""
     if not chunks or any(c.start + len(c.token_ids) > max_model_len for c in chunks):
         return None
     num_tokens = sum(len(c.token_ids) for c in chunks)
+    if any_query_len:
+        fits = [
+            Bucket(q, counts[i])
+            for q, counts in sorted(sizes.items())
+            if (i := bisect.bisect_left(counts, num_tokens)) < len(counts)
+        ]
+        return min(fits, key=lambda b: b.num_tokens) if fits else None
     longest = max(len(c.token_ids) for c in chunks)
     for max_query_len, counts in sorted(sizes.items()):
         i = bisect.bisect_left(counts, num_tokens)

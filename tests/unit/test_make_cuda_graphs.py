@@ -72,3 +72,25 @@ def test_the_graphable_backends_by_name_are_the_ones_that_capture():
     }
     graphable = {n for n, b in backends.items() if isinstance(b, cuda_graphs.GraphableBackend)}
     assert graphable == set(graph_buckets.GRAPHABLE_BACKENDS)
+
+
+def test_a_backend_of_any_query_length_replays_mixed_steps():
+    """flash-attn's captured attention is built for a longest query, so a prompt chunk longer
+    than the verify graphs' runs eagerly; Triton's reads each token's own position, so the
+    smallest bucket with room holds any mix of chunks."""
+    from engine.attention.triton_attn import TritonAttentionBackend
+    from engine.core.chunks import SeqChunk
+    from engine.execution.graph_buckets import choose_bucket
+
+    sizes = {1: (1, 2, 4, 8), 5: (2, 4, 8, 16)}
+    mixed = [SeqChunk([7], 30, [0], 1), SeqChunk([7] * 9, 0, [1], 0)]  # a decode, a prompt chunk
+    assert choose_bucket(sizes, 512, mixed) is None
+    assert choose_bucket(sizes, 512, mixed, any_query_len=True) == Bucket(5, 16)
+    verify = [SeqChunk([7] * 3, 30, [0], 3)]
+    assert choose_bucket(sizes, 512, verify) == Bucket(5, 4)
+    assert choose_bucket(sizes, 512, verify, any_query_len=True) == Bucket(1, 4)
+    too_long = [SeqChunk([7] * 17, 0, [0], 1)]
+    assert choose_bucket(sizes, 512, too_long, any_query_len=True) is None
+    assert choose_bucket(sizes, 20, [SeqChunk([7] * 2, 19, [0], 1)], any_query_len=True) is None
+    assert TritonAttentionBackend.any_query_len
+    assert not getattr(FlashAttentionBackend, "any_query_len", False)

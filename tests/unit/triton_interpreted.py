@@ -176,11 +176,22 @@ def test_captured_steps_replay_the_eager_steps(tiny_llama):
     rng = random.Random(0)
     seqs = {"a": (250, [4, 1]), "b": (10, [3]), "c": (40, [5, 0])}  # context, blocks
     starts = {name: n for name, (n, _) in seqs.items()}
-    for lens in ({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 3, "c": 5}, {"b": 2}, {"a": 5, "c": 2}):
+    # (tokens, logits) per sequence: decode and verify steps, then mixed ones the Triton
+    # backend replays too, whatever the longest query: a prompt chunk short of its end (no
+    # logits) or reaching it (one) beside decodes, longer than any verify graph's query (5).
+    steps = (
+        {"a": (1, 1), "b": (1, 1), "c": (1, 1)},
+        {"a": (1, 1), "b": (3, 3), "c": (5, 5)},
+        {"b": (2, 2)},
+        {"a": (5, 5), "c": (2, 2)},
+        {"a": (1, 1), "b": (9, 0), "c": (1, 1)},
+        {"b": (7, 1), "c": (4, 0)},
+    )
+    for lens in steps:
         chunks = []
-        for name, n in lens.items():
+        for name, (n, num_logits) in lens.items():
             ids = [rng.randrange(3, 320) for _ in range(n)]
-            chunks.append(SeqChunk(ids, starts[name], seqs[name][1], n))
+            chunks.append(SeqChunk(ids, starts[name], seqs[name][1], num_logits))
             starts[name] += n
         replays = sum(g.num_replays for g in capture.graphs)
         logits = graphs.forward(chunks)
