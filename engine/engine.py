@@ -262,7 +262,6 @@ class LLMEngine:
             chunks,
             drafts,
             items,
-            {r.request_id: i for i, (r, _) in enumerate(items)},
             logprobs_width(items, self.model_config.vocab_size),
             result,
             overlapped,
@@ -369,12 +368,11 @@ class LLMEngine:
             if running:
                 # KV stays valid for the known tokens and the accepted drafts; rejected slots
                 # roll back (and so do accepted ones a stop condition cut off).
+                # A later step already in flight holds a larger count: it stays.
                 num_computed = min(
                     chunk.start + s.num_new_tokens + result.num_accepted, request.num_tokens - 1
                 )
-                if request.num_computed_tokens > chunk.start + s.num_new_tokens:
-                    num_computed = request.num_computed_tokens  # a later step's, in flight
-                self.scheduler.update(request, num_computed)
+                self.scheduler.update(request, max(request.num_computed_tokens, num_computed))
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)

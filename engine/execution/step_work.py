@@ -47,7 +47,6 @@ class Launched:
     chunks: list[SeqChunk]
     drafts: dict[str, Draft]
     items: list[tuple[Request, Draft | None]]
-    rows: dict[str, int]  # request id -> its row in the step's samples
     width: int | None  # the top logprobs' width (None: no row asked for logprobs)
     result: Future[DeviceResult]
     overlapped: bool
@@ -115,8 +114,9 @@ def carry_indices(
         offsets.append(offset)
         offset += len(chunk.token_ids)
     # The carried token is its chunk's first (a decode chunk of one token, no drafts).
+    rows = {r.request_id: i for i, (r, _) in enumerate(inflight.items)}  # its sample rows
     dst = [offsets[i] for i in carried]
-    src = [inflight.rows[schedule.scheduled[i].request.request_id] for i in carried]
+    src = [rows[schedule.scheduled[i].request.request_id] for i in carried]
     return device.tensor(dst, torch.int64), device.tensor(src, torch.int64)
 
 

@@ -13,23 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.outputs import OutputAccumulator
-from tests.conftest import build_tiny_model
-from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=5, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def expected(target):
-    return _reference(target)
+from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS
 
 
 def _llm(target, overlap: bool, spec: dict | None = None, **config) -> LLM:
@@ -89,10 +73,10 @@ def test_overlapped_greedy_equals_transformers(target, expected):
         ("ngram+draft_model", "always"),
     ],
 )
-def test_overlapped_speculation_is_lossless(target, draft, expected, method, mode):
+def test_overlapped_speculation_is_lossless(target, random_draft, expected, method, mode):
     """Steps that draft read the one in flight first; the others overlap. Either way greedy
     output equals plain decoding."""
-    llm = _llm(target, True, _spec(method, mode, draft))
+    llm = _llm(target, True, _spec(method, mode, random_draft))
     assert _generate(llm, _greedy()) == expected
     engine = llm.engine
     if mode == "off":

@@ -9,23 +9,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.outputs import OutputAccumulator
 from tests.conftest import build_tiny_model
-from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS, _reference
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory):
-    # Same vocabulary, different weights and depth: it disagrees often (forced rejections).
-    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=5, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def expected(target):
-    return _reference(target)
+from tests.integration.test_greedy_parity import MAX_TOKENS, PROMPTS
 
 
 def _spec(method: str, k: int, draft, mode: str = "always") -> dict:
