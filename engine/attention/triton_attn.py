@@ -22,6 +22,25 @@ the same BLOCK_N positions. BLOCK_H, BLOCK_D, BLOCK_N and num_warps depend only 
 (head_dim, the GQA group size), never on the batch, and are never autotuned. So the same token at
 the same position over the same cache runs the same instructions on the same values, whether it
 is decoded alone or sits in a 2k-token prompt chunk beside 60 decodes.
+
+Split contexts (flash-decoding). One program per (token, KV head) leaves a card idle when a step
+has few tokens: 2 programs for a 2-KV-head model at batch 1, on 132 SMs. Keys are therefore
+taken in fixed partitions of PARTITION positions (position-aligned: partition j holds keys
+j * PARTITION .. (j + 1) * PARTITION - 1), each reduced by its own online softmax from a fresh
+state into a partial (max, sum, weighted V), and the partials merged in increasing partition
+order by `_merge`. A step runs this one of two ways, by the same arithmetic:
+- in one launch (`_paged_attention_kernel`): a program walks its token's partitions in order,
+  merging each partial into its running one as it finishes it;
+- split (`_partial_attention_kernel`, then `_merge_partials_kernel`): one program per (token,
+  KV head, partition) writes its partial in float32 to a scratch tensor, and one program per
+  (token, KV head) merges them in the same order by the same `_merge`.
+The partials and the merges are the same float32 operations on the same values either way, so a
+token's output bits do not depend on the path, and the path may follow the step: split while
+the step's programs are too few to fill a card (`split_tokens`), in one launch otherwise. A
+context within one partition has one partial, merged exactly (x * 1 + 0 * 0), so it gets the
+bits of a plain online softmax over its tiles. The scratch is bounded (SPLIT_SCRATCH_BYTES: a
+step splits at most as many tokens as it holds) and counted in the memory plan
+(`TritonAttentionBackend.workspace_bytes`, engine/execution/kv_plan.py).
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.base import BatchLayout, write_kv
+from engine.models.config import ModelConfig
 from engine.runtime.device import to_device
 
 # Key positions per tile. Fixed (see "Batch invariance" above): 64 keys x head_dim 128 of K and
@@ -43,6 +63,14 @@ NUM_WARPS = 4
 MIN_DOT_DIM = 16
 # The window of a backend without one: longer than any context, so every tile starts at 0.
 NO_WINDOW = 1 << 30
+# Key positions per partition (a multiple of BLOCK_N). Fixed, as BLOCK_N: it sets the order of
+# the reduction. 4 tiles: a 4k context is 16 partitions, 32 programs per token for 2 KV heads.
+PARTITION = 256
+# A step splits while it has fewer programs than this (about two per SM on an H100/H200): past
+# it the programs fill the card and the partials' round trip through memory would only cost.
+SPLIT_BELOW_PROGRAMS = 256
+# The most bytes of partials one split launch writes (one layer's: layers run in turn).
+SPLIT_SCRATCH_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -53,6 +81,7 @@ class TritonAttentionMetadata:
     token_seq: torch.Tensor  # [num_tokens] int32: the request (block-table row) of each token
     token_pos: torch.Tensor  # [num_tokens] int32: each token's position; it sees keys 0 .. pos
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+    max_seq_len: int  # the longest context a token sees (a graph's: the model's maximum)
 
 
 def token_positions(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +141,7 @@ class StaticTritonMetadata:
                 token_pos=zeros(max_tokens, dtype=torch.int32),
                 # One row per request, and the pad row: at most max_tokens rows in all.
                 block_table=zeros(max_tokens, max_blocks_per_seq, dtype=torch.int32),
+                max_seq_len=max_blocks_per_seq * block_size,
             )
 
         self._host = tensors(torch.device("cpu"), pin)
@@ -121,7 +151,8 @@ class StaticTritonMetadata:
         self, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int
     ) -> TritonAttentionMetadata:
         """The metadata a graph of `num_tokens` tokens captures: prefixes of the fixed tensors
-        (the kernel needs no maximum lengths: each program reads its own token's)."""
+        and the longest context a replay may bring (which sizes the split path's grid; each
+        program reads its own token's length)."""
         assert 1 <= num_tokens <= self.max_tokens
         d = self._device
         return TritonAttentionMetadata(
@@ -129,6 +160,7 @@ class StaticTritonMetadata:
             token_seq=d.token_seq[:num_tokens],
             token_pos=d.token_pos[:num_tokens],
             block_table=d.block_table,
+            max_seq_len=max_seqlen_k,
         )
 
     def fill(self, layout: BatchLayout, num_tokens: int, pad_block: int) -> None:
@@ -169,6 +201,13 @@ class TritonAttentionBackend:
     # captured step holds any mix of chunks (engine/execution/graph_buckets.choose_bucket).
     any_query_len = True
 
+    def workspace_bytes(self, model_config: ModelConfig, itemsize: int, max_len: int) -> int:
+        """The most bytes of split partials a layer holds at once (engine/execution/kv_plan.py):
+        the largest step that splits, over contexts of up to max_len keys."""
+        cfg = model_config
+        tokens = split_tokens(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len)
+        return tokens * partial_bytes(cfg.num_heads, cfg.head_dim, max_len)
+
     def allocate_static_metadata(
         self, max_tokens: int, max_blocks_per_seq: int, block_size: int, device: torch.device
     ) -> StaticTritonMetadata:
@@ -183,6 +222,7 @@ class TritonAttentionBackend:
             token_seq=to_device(token_seq, device),
             token_pos=to_device(token_pos, device),
             block_table=to_device(padded_block_table(layout), device),
+            max_seq_len=max(layout.seq_lens),
         )
 
     def forward(
@@ -215,6 +255,30 @@ class TritonAttentionBackend:
         return paged_attention(query, k_cache, v_cache, metadata, scale)
 
 
+def num_partitions(max_seq_len: int, window: int = NO_WINDOW) -> int:
+    """The most partitions a token whose context has at most `max_seq_len` keys (and sees at
+    most `window` of them) has keys in: its grid's partition dimension."""
+    spans = -(-max(max_seq_len, 1) // PARTITION)
+    # A window of w keys ending anywhere touches at most ceil((w - 1) / PARTITION) + 1 of them.
+    return min(spans, -(-(window - 1) // PARTITION) + 1)
+
+
+def partial_bytes(num_heads: int, head_dim: int, max_seq_len: int) -> int:
+    """Scratch bytes of one token's partials: per query head and partition, head_dim weighted-V
+    sums, a max and a sum, in float32."""
+    return num_heads * num_partitions(max_seq_len) * (head_dim + 2) * 4
+
+
+def split_tokens(num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
+    """The most tokens a step may have and still take the split path: fewer programs than
+    SPLIT_BELOW_PROGRAMS without splitting, and partials within SPLIT_SCRATCH_BYTES (0 where a
+    context fits one partition: nothing to split)."""
+    if num_partitions(max_seq_len) <= 1:
+        return 0
+    by_programs = -(-SPLIT_BELOW_PROGRAMS // num_kv_heads) - 1
+    return min(by_programs, SPLIT_SCRATCH_BYTES // partial_bytes(num_heads, head_dim, max_seq_len))
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -222,8 +286,12 @@ def paged_attention(
     metadata: TritonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    split: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of every query token over its cached context (K/V already written): one launch."""
+    """Attention of every query token over its cached context (K/V already written): one launch,
+    or the split path's two (the module's "Split contexts"). `split`: None chooses by the step
+    (`split_tokens`); True or False forces a path (the bits are the same either way)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "GQA needs whole groups of query heads"
@@ -233,32 +301,77 @@ def paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
+    window = sliding_window or NO_WINDOW
+    if split is None:
+        limit = split_tokens(num_heads, num_kv_heads, head_dim, metadata.max_seq_len)
+        split = num_tokens <= limit
     group = num_heads // num_kv_heads
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        query,
-        k_cache,
-        v_cache,
-        out,
-        metadata.token_seq,
-        metadata.token_pos,
-        metadata.block_table,
-        scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
-        sliding_window or NO_WINDOW,
-        block_size,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        metadata.block_table.stride(0),
+    shapes = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         BLOCK_N=BLOCK_N,
+        PARTITION=PARTITION,
         IS_FP32=query.dtype == torch.float32,
+        num_warps=NUM_WARPS,
+    )
+    context = (
+        metadata.token_seq,
+        metadata.token_pos,
+        metadata.block_table,
+        scale * 1.4426950408889634,  # log2(e): the kernels take exp2
+        window,
+        block_size,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        metadata.block_table.stride(0),
+    )
+    if not split:
+        _paged_attention_kernel[(num_tokens, num_kv_heads)](
+            query, k_cache, v_cache, out, out.stride(0), out.stride(1), *context, **shapes
+        )
+        return out
+    parts = num_partitions(metadata.max_seq_len, window)
+    # [num_tokens, num_heads, parts, head_dim] weighted-V sums and [..., parts, 2] (max, sum).
+    acc = torch.empty(
+        num_tokens, num_heads, parts, head_dim, dtype=torch.float32, device=out.device
+    )
+    stats = torch.empty(num_tokens, num_heads, parts, 2, dtype=torch.float32, device=out.device)
+    assert acc.stride(2) == head_dim and stats.stride(2) == 2
+    _partial_attention_kernel[(num_tokens, num_kv_heads, parts)](
+        query,
+        k_cache,
+        v_cache,
+        acc,
+        stats,
+        acc.stride(0),
+        acc.stride(1),
+        stats.stride(0),
+        stats.stride(1),
+        *context,
+        **shapes,
+    )
+    _merge_partials_kernel[(num_tokens, num_kv_heads)](
+        acc,
+        stats,
+        out,
+        metadata.token_pos,
+        window,
+        acc.stride(0),
+        acc.stride(1),
+        stats.stride(0),
+        stats.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=shapes["BLOCK_H"],
+        BLOCK_D=shapes["BLOCK_D"],
+        PARTITION=PARTITION,
         num_warps=NUM_WARPS,
     )
     return out
@@ -273,50 +386,67 @@ def _dot(a, b, IS_FP32: tl.constexpr):
 
 
 @triton.jit
-def _paged_attention_kernel(
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # same strides as k_cache
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    token_seq_ptr,  # [num_tokens] int32
-    token_pos_ptr,  # [num_tokens] int32
-    block_table_ptr,  # [num_seqs, max_blocks] int32
-    scale_log2e,  # softmax scale * log2(e)
-    window,  # a query at position p sees keys p - window + 1 .. p
+def _merge(m, row_sum, acc, part_m, part_sum, part_acc):
+    """The running softmax state (m, row_sum, acc) with one more partition's partial merged in:
+    both rescaled to the larger max. From the empty state (m = -inf, zeros) the result is the
+    partial itself, exactly."""
+    m_new = tl.maximum(m, part_m)
+    alpha = tl.exp2(m - m_new)  # [BLOCK_H]
+    beta = tl.exp2(part_m - m_new)  # [BLOCK_H]
+    row_sum = row_sum * alpha + part_sum * beta
+    acc = acc * alpha[:, None] + part_acc * beta[:, None]
+    return m_new, row_sum, acc
+
+
+@triton.jit
+def _load_query(
+    q_ptr, tok, kv_head, stride_q_tok, stride_q_head, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D
+):
+    """[BLOCK_H, BLOCK_D]: the query heads of `kv_head`'s group for token `tok` (zero padded)."""
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    q_offsets = tok * stride_q_tok + (kv_head * GROUP + rows)[:, None] * stride_q_head
+    q_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    return tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+
+
+@triton.jit
+def _attend_partition(
+    q,  # [BLOCK_H, BLOCK_D]
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq,
+    kv_head,
+    pos,
+    first,  # the first key the token sees
+    part_start,  # the partition's first position (a multiple of PARTITION)
+    scale_log2e,
     block_size,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
     stride_c_block,
     stride_c_slot,
     stride_c_head,
     stride_bt_seq,
-    GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
-    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
-    BLOCK_N: tl.constexpr,  # key positions per tile
-    IS_FP32: tl.constexpr,  # q and the caches are float32
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    IS_FP32: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    seq = tl.load(token_seq_ptr + tok).to(tl.int64)
-    pos = tl.load(token_pos_ptr + tok)
-    rows = tl.arange(0, BLOCK_H)  # [BLOCK_H]: query heads of this KV head's group
-    dims = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    """One partition's partial, (max, sum of exp2, sum of exp2 * V) over its keys the token
+    sees, by an online softmax over its tiles in increasing order from a fresh state."""
+    dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q_offsets = tok * stride_q_tok + (kv_head * GROUP + rows)[:, None] * stride_q_head
-    q_mask = (rows < GROUP)[:, None] & dim_ok[None, :]  # [BLOCK_H, BLOCK_D]
-    q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
-
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scaled scores
     row_sum = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp2(score - m) * V
-    # The first tile holds the window's first key (or position 0), so every real row sees a key
-    # in it and m is finite from then on (padding rows of q are zeros, also finite).
-    first = tl.maximum(pos - window + 1, 0)
-    for start in range(first // BLOCK_N * BLOCK_N, pos + 1, BLOCK_N):
+    # Tiles are BLOCK_N-aligned: the first is the one holding `first` (or the partition's own
+    # first), so every real row sees a key in it and m is finite from then on (padding rows of
+    # q are zeros, also finite).
+    lo = tl.maximum(part_start, first // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(part_start + PARTITION, pos + 1)
+    for start in range(lo, hi, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         in_context = key_pos <= pos
         visible = in_context & (key_pos >= first)
@@ -337,6 +467,205 @@ def _paged_attention_kernel(
         pv = _dot(p.to(v.dtype), v, IS_FP32)  # [BLOCK_H, BLOCK_D]
         acc = acc * alpha[:, None] + pv
         m = m_new
+    return m, row_sum, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same strides as k_cache
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    stride_o_tok,
+    stride_o_head,
+    token_seq_ptr,  # [num_tokens] int32
+    token_pos_ptr,  # [num_tokens] int32
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    scale_log2e,  # softmax scale * log2(e)
+    window,  # a query at position p sees keys p - window + 1 .. p
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
+    BLOCK_N: tl.constexpr,  # key positions per tile
+    PARTITION: tl.constexpr,  # key positions per partition
+    IS_FP32: tl.constexpr,  # q and the caches are float32
+):
+    """One program per (token, KV head): the token's partitions in order, merged as they end."""
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq = tl.load(token_seq_ptr + tok).to(tl.int64)
+    pos = tl.load(token_pos_ptr + tok)
+    q = _load_query(
+        q_ptr, tok, kv_head, stride_q_tok, stride_q_head, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D
+    )
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    first = tl.maximum(pos - window + 1, 0)
+    for part_start in range(first // PARTITION * PARTITION, pos + 1, PARTITION):
+        part_m, part_sum, part_acc = _attend_partition(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            seq,
+            kv_head,
+            pos,
+            first,
+            part_start,
+            scale_log2e,
+            block_size,
+            stride_c_block,
+            stride_c_slot,
+            stride_c_head,
+            stride_bt_seq,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_D,
+            BLOCK_N,
+            PARTITION,
+            IS_FP32,
+        )
+        m, row_sum, acc = _merge(m, row_sum, acc, part_m, part_sum, part_acc)
     out = acc / row_sum[:, None]
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
     o_offsets = tok * stride_o_tok + (kv_head * GROUP + rows)[:, None] * stride_o_head
-    tl.store(out_ptr + o_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    o_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    tl.store(out_ptr + o_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _partial_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    acc_ptr,  # [num_tokens, num_heads, parts, head_dim] float32
+    stats_ptr,  # [num_tokens, num_heads, parts, 2] float32: (max, sum)
+    stride_a_tok,
+    stride_a_head,
+    stride_s_tok,
+    stride_s_head,
+    token_seq_ptr,
+    token_pos_ptr,
+    block_table_ptr,
+    scale_log2e,
+    window,
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    """One program per (token, KV head, partition index z): the partial of the token's z-th
+    partition (counted from the one holding its first key), or nothing past its last."""
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    z = tl.program_id(2)
+    pos = tl.load(token_pos_ptr + tok)
+    first = tl.maximum(pos - window + 1, 0)
+    part_start = (first // PARTITION + z) * PARTITION
+    if part_start <= pos:
+        seq = tl.load(token_seq_ptr + tok).to(tl.int64)
+        q = _load_query(
+            q_ptr, tok, kv_head, stride_q_tok, stride_q_head, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D
+        )
+        part_m, part_sum, part_acc = _attend_partition(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            seq,
+            kv_head,
+            pos,
+            first,
+            part_start,
+            scale_log2e,
+            block_size,
+            stride_c_block,
+            stride_c_slot,
+            stride_c_head,
+            stride_bt_seq,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_D,
+            BLOCK_N,
+            PARTITION,
+            IS_FP32,
+        )
+        rows = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        row_ok = rows < GROUP
+        heads = (kv_head * GROUP + rows).to(tl.int64)
+        a_offsets = tok * stride_a_tok + heads * stride_a_head + z * HEAD_DIM  # [BLOCK_H]
+        a_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        tl.store(acc_ptr + a_offsets[:, None] + dims[None, :], part_acc, mask=a_mask)
+        s_offsets = tok * stride_s_tok + heads * stride_s_head + z * 2  # [BLOCK_H]
+        tl.store(stats_ptr + s_offsets, part_m, mask=row_ok)
+        tl.store(stats_ptr + s_offsets + 1, part_sum, mask=row_ok)
+
+
+@triton.jit
+def _merge_partials_kernel(
+    acc_ptr,  # [num_tokens, num_heads, parts, head_dim] float32
+    stats_ptr,  # [num_tokens, num_heads, parts, 2] float32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    token_pos_ptr,
+    window,
+    stride_a_tok,
+    stride_a_head,
+    stride_s_tok,
+    stride_s_head,
+    stride_o_tok,
+    stride_o_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+):
+    """One program per (token, KV head): the token's partials merged in increasing order by
+    `_merge`, as `_paged_attention_kernel` merges them."""
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    pos = tl.load(token_pos_ptr + tok)
+    first = tl.maximum(pos - window + 1, 0)
+    num_parts = pos // PARTITION - first // PARTITION + 1
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    heads = (kv_head * GROUP + rows).to(tl.int64)
+    base = tok * stride_a_tok + heads * stride_a_head  # [BLOCK_H]
+    stats = tok * stride_s_tok + heads * stride_s_head  # [BLOCK_H]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for z in range(0, num_parts):
+        part_acc = tl.load(
+            acc_ptr + (base + z * HEAD_DIM)[:, None] + dims[None, :], mask=mask, other=0.0
+        )
+        # Padding rows merge zeros with a max of 0 and a sum of 1: finite, and never stored.
+        part_m = tl.load(stats_ptr + stats + z * 2, mask=row_ok, other=0.0)
+        part_sum = tl.load(stats_ptr + stats + z * 2 + 1, mask=row_ok, other=1.0)
+        m, row_sum, acc = _merge(m, row_sum, acc, part_m, part_sum, part_acc)
+    out = acc / row_sum[:, None]
+    o_offsets = tok * stride_o_tok + heads[:, None] * stride_o_head
+    tl.store(out_ptr + o_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)

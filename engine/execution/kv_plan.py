@@ -12,8 +12,9 @@ after every weight is loaded:
   capped at what `max_num_seqs` full-length sequences need.
 - `num_kv_blocks` skips the budget: both models get that many blocks.
 
-The reserve counts one eager step's activations per model, the torch attention backend's
-per-layer gather of context K/V (`gather_workspace_bytes`) and, where CUDA graphs will be
+The reserve counts one eager step's activations per model, the attention backend's per-layer
+scratch (`attention_workspace_bytes`: torch's gather of context K/V, Triton's split partials)
+and, where CUDA graphs will be
 captured, the graph pool's activations for the largest captured step. Each model's KV has one
 extra pad block outside the budget (a few MiB at most).
 
@@ -57,8 +58,8 @@ def activation_bytes(
     each); the fused qkv output and the attention output ([T, q + 2 kv] and [T, q]); the fused
     gate_up output and its activation ([T, 2 intermediate] and [T, intermediate]). Layers run
     one after another, so one layer's worth is live. Logits term: the logits in the model's
-    dtype plus three float32 copies of them in sampling (_FLOAT32_LOGIT_COPIES). The torch
-    attention backend's gather of context K/V is counted apart (`gather_workspace_bytes`);
+    dtype plus three float32 copies of them in sampling (_FLOAT32_LOGIT_COPIES). The attention
+    backend's scratch is counted apart (`attention_workspace_bytes`);
     gpu_memory_utilization's headroom covers the rest."""
     q_size = model_config.num_heads * model_config.head_dim
     kv_size = model_config.num_kv_heads * model_config.head_dim
@@ -69,16 +70,20 @@ def activation_bytes(
     return num_tokens * itemsize * per_token + num_logit_rows * per_row
 
 
-def gather_workspace_bytes(runner: ModelRunner, max_len: int) -> int:
-    """Peak bytes of context K and V a layer of `runner` gathers at once (0 for backends that
-    read the paged cache in place): the torch backend bounds its gather to
-    `max_gathered_tokens(max_len)` tokens of K and as many of V (engine/attention/torch_attn.py),
-    however many sequences and tokens the step has."""
+def attention_workspace_bytes(runner: ModelRunner, max_len: int) -> int:
+    """Peak bytes of scratch one layer of `runner`'s attention holds at once, over contexts of
+    up to max_len keys (0 for backends that need none): the torch backend's gather of context K
+    and V, bounded to `max_gathered_tokens(max_len)` tokens of each (engine/attention/
+    torch_attn.py), and the Triton backend's split partials (engine/attention/triton_attn.py
+    `workspace_bytes`), however many sequences and tokens the step has."""
     backend = runner.backend
+    cfg = runner.model_config
+    workspace = getattr(backend, "workspace_bytes", None)
+    if workspace is not None:
+        return int(workspace(cfg, runner.dtype.itemsize, max_len))
     # The cpu backend subclasses torch's but reads the cache in place (and runs only on CPU).
     if not isinstance(backend, TorchAttentionBackend) or backend.name != "torch":
         return 0
-    cfg = runner.model_config
     token_bytes = cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize  # one token's K
     return 2 * backend.max_gathered_tokens(max_len) * token_bytes
 
@@ -188,9 +193,9 @@ def plan_for(
         * target.dtype.itemsize
         * config.max_num_batched_tokens
     )
-    # The gather lives inside one layer's attention and models run their forwards one after
-    # another, so the largest model's workspace is the most that is ever alive.
-    reserve += max(gather_workspace_bytes(r, max_len) for r in runners)
+    # The workspace lives inside one layer's attention and models run their forwards one after
+    # another, so the largest model's is the most that is ever alive.
+    reserve += max(attention_workspace_bytes(r, max_len) for r in runners)
     # Captured CUDA graphs keep their own pool of activations for the largest captured step,
     # alive beside the eager steps' (engine.execution.cuda_graphs; flash_attn and triton are the backends
     # they capture).
@@ -208,6 +213,8 @@ def plan_for(
         reserve += sum(
             activation_bytes(r.model_config, r.dtype.itemsize, graph_tokens, 0) for r in runners
         )
+        # The pool keeps the attention's scratch of its captured steps too (Triton's partials).
+        reserve += max(attention_workspace_bytes(r, max_len) for r in runners)
         # A tapped target's graphs keep its taps as a second output; an EAGLE-3 head's graphs
         # read their hidden input from a fixed tensor.
         reserve += num_taps * target.model_config.hidden_size * target.dtype.itemsize * graph_tokens

@@ -8,7 +8,8 @@ layers launch. Per decoder layer (no q/k norm), a decode or verify step launches
   1 residual add + RMSNorm (`add_rms_norm`; layer 0: the norm alone)
   2 q/k/v projection (one GEMM, its bias folded in)
   3 RoPE on q and k + this step's K and V into their cache slots (`rope_write_kv`)
-  4 paged attention over the cache (engine/attention/triton_attn.py)
+  4 paged attention over the cache (engine/attention/triton_attn.py; a step of few tokens
+    over contexts past one partition splits it in two: partials, then their merge)
   5 output projection
   6 residual add + RMSNorm
   7 gate/up projection
@@ -17,8 +18,9 @@ layers launch. Per decoder layer (no q/k norm), a decode or verify step launches
 
 against 30-odd for the torch formulation (an RMSNorm alone is eight: a cast, a square, a mean, an
 add, a reciprocal square root, two products and a cast back). The last layer's residual add is
-fused into the final norm. `LAYER_KERNELS` states the count and tests/unit/test_kernel_count.py
-holds the CUDA path to it by counting every op and Triton launch of a decode step.
+fused into the final norm. `LAYER_KERNELS` states the count (one more where attention splits),
+and tests/unit/test_kernel_count.py holds the CUDA path to it by counting every op and Triton
+launch of a decode step.
 
 Each kernel computes one row (a token) per program in float32 and rounds once to the tensors'
 dtype, so no output depends on the other rows of the step (the batch-invariant mode may use them

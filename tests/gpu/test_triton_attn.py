@@ -114,3 +114,22 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(dtype):
             0.25,
         )
         assert torch.equal(alone, batch_out[rows]), (index, query_len)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 300])
+def test_split_contexts_get_the_same_bits_on_both_paths(dtype, window):
+    """The split path (partials, then their merge) and the one-launch path run the same float32
+    operations, so their bits agree on the card too, where the compiler schedules both."""
+    from engine.attention import triton_attn
+
+    case = make_case(
+        [1, 1, 1, 4, 9], [255, 256, 3000, 700, 250], 16, 12, 2, 128, dtype=dtype, device="cuda"
+    )
+    out = run_triton(case, 0.25, window)
+    meta = get_attention_backend("triton", CUDA).build_metadata(case.layout, CUDA)
+    args = (case.query, case.k_cache, case.v_cache, meta, 0.25, window)
+    split = triton_attn.paged_attention(*args, split=True)
+    assert torch.equal(split, triton_attn.paged_attention(*args, split=False))
+    assert torch.equal(split, out)
+    assert_near(split, dense_reference(case, 0.25, window), dtype)

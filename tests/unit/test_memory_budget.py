@@ -163,6 +163,23 @@ def test_the_plan_reserves_what_the_torch_backend_gathers():
     assert 0 < peak <= reserved
 
 
+def test_the_plan_reserves_the_triton_backends_split_partials():
+    """The Triton backend's split path writes float32 partials for at most `split_tokens`
+    tokens a layer (engine/attention/triton_attn.py); the plan reserves them beyond a backend
+    that needs no scratch, bounded however long the contexts grow."""
+    pytest.importorskip("triton")
+    from engine.attention import triton_attn
+
+    backend = triton_attn.TritonAttentionBackend()
+    flash = SimpleNamespace(name="flash_attn")
+    for max_len in (200, 8000, 1 << 20):
+        reserved = _gpu_plan(flash, max_len).budget - _gpu_plan(backend, max_len).budget
+        tokens = triton_attn.split_tokens(2, 1, 4, max_len)
+        assert reserved == tokens * triton_attn.partial_bytes(2, 4, max_len)
+        assert reserved <= triton_attn.SPLIT_SCRATCH_BYTES
+        assert (reserved > 0) == (max_len > triton_attn.PARTITION)
+
+
 # Run in a fresh interpreter: in a test worker the heap holds whatever earlier tests left (free
 # lists that serve the chunks below, arenas trimmed or not), and the resident set it reads is the
 # worker's whole history.

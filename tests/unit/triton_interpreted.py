@@ -146,6 +146,57 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others():
         assert torch.equal(alone, batch_out[rows]), (index, query_len)
 
 
+# Contexts within one partition, at its edge, and across two to four (PARTITION = 256), as
+# decodes, a verify chunk and a prompt chunk that starts in one partition and ends in the next.
+SPLIT_STEP = ([1, 1, 1, 1, 4, 9], [0, 255, 256, 700, 400, 250])
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 300, 600])
+def test_split_contexts_get_the_same_bits_on_both_paths(window):
+    assert triton_attn.PARTITION == 256  # the contexts above straddle its edges
+    case = make_case(*SPLIT_STEP, 16, seed=11)
+    meta = triton_attn.TritonAttentionBackend().build_metadata(case.layout, CPU)
+    whole = run_triton(case, 0.25, window)  # writes the step's K/V, then attends
+    args = (case.query, case.k_cache, case.v_cache, meta, 0.25, window)
+    one_launch = triton_attn.paged_attention(*args, split=False)
+    split = triton_attn.paged_attention(*args, split=True)
+    assert torch.equal(split, one_launch)
+    assert torch.equal(whole, one_launch)  # this step is short enough to split: the rule's path
+    torch.testing.assert_close(split, dense_reference(case, 0.25, window), atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_path_is_chosen_by_the_step_and_bounded():
+    cfg = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+    # Nothing to split within one partition; past it, fewer programs than the threshold split.
+    assert triton_attn.split_tokens(**cfg, max_seq_len=256) == 0
+    limit = triton_attn.split_tokens(**cfg, max_seq_len=4096)
+    assert limit * 2 < triton_attn.SPLIT_BELOW_PROGRAMS <= (limit + 1) * 2
+    # A long context bounds the tokens by the scratch instead, whatever the heads.
+    long = dict(num_heads=64, num_kv_heads=8, head_dim=128, max_seq_len=1 << 17)
+    tokens = triton_attn.split_tokens(**long)
+    per_token = triton_attn.partial_bytes(64, 128, 1 << 17)
+    assert tokens >= 1 and tokens * per_token <= triton_attn.SPLIT_SCRATCH_BYTES
+    assert (tokens + 1) * per_token > triton_attn.SPLIT_SCRATCH_BYTES
+    assert triton_attn.num_partitions(1000) == 4 and triton_attn.num_partitions(1000, 257) == 2
+    assert triton_attn.num_partitions(1000, 258) == 3  # keys 255 .. 512
+
+
+def test_a_long_prompt_chunk_and_its_decodes_agree_bit_for_bit():
+    """A prompt chunk too long to split (one launch) and the same tokens decoded one by one
+    (split): the attention of each token does not depend on the path its step took."""
+    case = make_case([3, 140], [600, 300], 16, seed=12)
+    limit = triton_attn.split_tokens(4, 2, 16, max(case.layout.seq_lens))
+    assert 1 < limit < case.layout.num_tokens  # the whole step runs in one launch
+    batch_out = run_triton(case, 0.25)
+    for index, query_len in [(1, 1), (1, 2), (0, 1), (0, 3)]:
+        layout, rows = request_alone(case, index, query_len)
+        meta = triton_attn.TritonAttentionBackend().build_metadata(layout, CPU)
+        alone = triton_attn.paged_attention(
+            case.query[rows], case.k_cache, case.v_cache, meta, 0.25
+        )
+        assert torch.equal(alone, batch_out[rows]), (index, query_len)
+
+
 def test_token_positions_follow_the_layout():
     case = make_case([3, 1, 2], [0, 5, 9], 16)
     token_seq, token_pos = triton_attn.token_positions(case.layout)

@@ -215,12 +215,20 @@ def as_on_cuda(monkeypatch):
     monkeypatch.setattr(linears, "cpu_kernels", lambda: None)
 
 
-def _count_decode_step(tmp_path, num_layers: int, fused: bool) -> Counter[str]:
+def _count_decode_step(
+    tmp_path, num_layers: int, fused: bool, context: int | None = None
+) -> Counter[str]:
+    """The launches of a decode step of the prompts of `_prompts(2)` (or of two requests of
+    `context` tokens each, over zeroed blocks)."""
     model, rope, cfg = _model(tmp_path, num_layers)
     # What the caches hold does not change what a step launches: zeros, no prefill to run.
     shape = (NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     caches = tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers))
     decode = [SeqChunk([7], len(c.token_ids), c.block_table, 1) for c in _prompts(2)]
+    if context is not None:
+        blocks = -(-(context + 1) // BLOCK_SIZE)
+        assert 2 * blocks <= NUM_BLOCKS
+        decode = [SeqChunk([7], context, list(range(i, 2 * blocks, 2)), 1) for i in (0, 1)]
     counter = KernelCounter()
     backend = triton_attn.TritonAttentionBackend()
     step = flatten_step(decode, BLOCK_SIZE)
@@ -237,9 +245,9 @@ def _count_decode_step(tmp_path, num_layers: int, fused: bool) -> Counter[str]:
     return counter.ops
 
 
-def _per_layer(tmp_path, fused: bool) -> Counter[str]:
-    one = _count_decode_step(tmp_path, 1, fused)
-    two = _count_decode_step(tmp_path, 2, fused)
+def _per_layer(tmp_path, fused: bool, context: int | None = None) -> Counter[str]:
+    one = _count_decode_step(tmp_path, 1, fused, context)
+    two = _count_decode_step(tmp_path, 2, fused, context)
     assert not (one - two), (one, two)
     return two - one
 
@@ -259,3 +267,12 @@ def test_a_decode_step_launches_the_stated_kernels_per_layer(as_on_cuda, tmp_pat
     # The torch formulation the fused path replaces launches several times as many.
     plain = _per_layer(tmp_path / "plain", fused=False)
     assert sum(plain.values()) >= 3 * triton_layer.LAYER_KERNELS, plain
+
+
+def test_a_long_context_decode_splits_its_attention_in_two_launches(as_on_cuda, tmp_path):
+    # Past one partition, a step this small takes the split path: partials, then their merge
+    # (engine/attention/triton_attn.py "Split contexts"), in place of the one attention launch.
+    fused = _per_layer(tmp_path, fused=True, context=triton_attn.PARTITION + 100)
+    attention = {k: v for k, v in fused.items() if "attention" in k or "partials" in k}
+    assert attention == {"triton:_partial_attention_kernel": 1, "triton:_merge_partials_kernel": 1}
+    assert sum(fused.values()) == triton_layer.LAYER_KERNELS + 1
