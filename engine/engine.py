@@ -306,6 +306,7 @@ class LLMEngine:
             num_generated=self.metrics.num_generation_tokens - num_generated,
             skipped=launched.skipped,
             overlapped=launched.overlapped,
+            off_graph=out.off_graph,
         )
         if self.step_trace.is_on:  # with what the policy priced the step, before it learns
             model = self.policy.step_model

@@ -98,6 +98,9 @@ class StepStats:
     # Read back after the next step was launched (overlap scheduling): its overhead is the host
     # time the device did not cover.
     overlapped: bool = False
+    # Ran eagerly where a decode step of as many tokens replays a CUDA graph (a prompt chunk
+    # beside decodes on flash-attn): the step-time model learns it apart.
+    off_graph: bool = False
 
     @property
     def seconds(self) -> float:

@@ -210,6 +210,10 @@ class CudaGraphs:
         """Every captured bucket, smallest first within each max query length."""
         return tuple(Bucket(q, t) for q, sizes in self._sizes.items() for t in sizes)
 
+    def covers(self, num_tokens: int) -> bool:
+        """Some captured graph holds a step of `num_tokens` tokens (its decode steps replay)."""
+        return any(sizes and sizes[-1] >= num_tokens for sizes in self._sizes.values())
+
     def bucket(self, chunks: Sequence[SeqChunk]) -> Bucket | None:
         """The smallest captured bucket that holds this step, or None (run it eagerly)."""
         return choose_bucket(self._sizes, self.max_model_len, chunks, self._any_query_len)

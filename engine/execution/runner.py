@@ -90,6 +90,8 @@ class ModelRunner:
         self.num_blocks = 0
         # Captured CUDA graphs of small steps, made once the KV exists (None: run eagerly).
         self.graphs: Any = None
+        # The last forward ran eagerly where a step of as many tokens replays a graph.
+        self.last_off_graph = False
 
     @property
     def weight_format(self) -> str:
@@ -189,10 +191,12 @@ class ModelRunner:
         rows in chunk order, or None when no chunk asks for logits. A decode or verify step
         that fits a captured CUDA graph replays it instead (the taps of a model an EAGLE-3 head
         reads included). `carry`: input tokens the previous step sampled on the device."""
+        self.last_off_graph = False
         if self.graphs is not None:
             logits = self.graphs.forward(chunks, carry)
             if logits is not NOT_CAPTURED:
                 return logits
+            self.last_off_graph = self.graphs.covers(sum(len(c.token_ids) for c in chunks))
         step, ctx, ids = self.step_inputs(chunks, carry)
         hidden = self.model(ids, ctx)  # [num_tokens, hidden_size]
         if not step.logit_rows:

@@ -37,6 +37,7 @@ class DeviceResult:
     verified: list[StepTokens] | None = None
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
+    off_graph: bool = False  # the forward ran eagerly where its token count has a graph
 
 
 @dataclass
@@ -151,13 +152,16 @@ def device_work(
             tokens = previous.result().tokens
             assert tokens is not None
             logits = runner.forward(chunks, Carry(carry[0], tokens.index_select(0, carry[1])))
+        off_graph = bool(getattr(runner, "last_off_graph", False))
         if not overlapped:
             verified = verifier.run(logits, items, rows) if logits is not None else []
-            return DeviceResult(start, device.mark(), verified=verified)
+            return DeviceResult(start, device.mark(), verified=verified, off_graph=off_graph)
         if logits is None:
-            return DeviceResult(start, device.mark())
+            return DeviceResult(start, device.mark(), off_graph=off_graph)
         sampled = verifier.sample(logits, rows)
         host = to_host(pack(sampled))
-        return DeviceResult(start, device.mark(), tokens=sampled.token_ids, host=host)
+        return DeviceResult(
+            start, device.mark(), tokens=sampled.token_ids, host=host, off_graph=off_graph
+        )
 
     return work

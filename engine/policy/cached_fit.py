@@ -57,15 +57,17 @@ class CachedFit(StepTimeModel):
         self._ratios: list[float] = []
         self._is_busy_logged = False
 
-    def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
-        if self.state == "unconfirmed" and n == rows and seconds > 0:
+    def observe(
+        self, n: int, context: int, seconds: float, rows: int = 1, off_graph: bool = False
+    ) -> None:
+        if self.state == "unconfirmed" and n == rows and seconds > 0 and not off_graph:
             predicted = self._fit.predict(n, context, rows)
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
             if len(self._ratios) >= NUM_CHECK_STEPS:
                 self._judge(statistics.median(self._ratios))
                 self._ratios.clear()
-        super().observe(n, context, seconds, rows)
+        super().observe(n, context, seconds, rows, off_graph)
 
     def _judge(self, ratio: float) -> None:
         served_t1, cached_t1 = ratio * self._fit.predict(1) * 1e3, self._fit.predict(1) * 1e3

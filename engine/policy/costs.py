@@ -169,7 +169,13 @@ class DraftCosts:
 
     def observe(self, stats: StepStats, step_model: StepTimePredictor) -> None:
         has_drafts = stats.has_drafts
-        predicted = step_model.predict(stats.num_tokens, stats.context, stats.num_rows)
+        shape = (stats.num_tokens, stats.context, stats.num_rows)
+        # A step that ran eagerly where graphs serve its size is judged and learned on its own
+        # path (engine/policy/step_time.py): the grid prices the graph steps decisions are about.
+        eager_price = getattr(step_model, "predict_off_graph", None)
+        off_graph = stats.off_graph and eager_price is not None
+        predict = eager_price if off_graph and eager_price is not None else step_model.predict
+        predicted = predict(*shape)
         if stats.num_tokens and predicted > 0:
             realised = stats.forward_seconds
             if has_drafts:
@@ -183,8 +189,10 @@ class DraftCosts:
             # of decode-shaped rows at an n plain steps may never reach, where calibration timed
             # one sequence's chunk.
             observe = getattr(step_model, "observe", None)
-            if observe is not None:
-                observe(stats.num_tokens, stats.context, stats.forward_seconds, stats.num_rows)
+            if observe is not None and off_graph:
+                observe(*shape[:2], stats.forward_seconds, shape[2], off_graph=True)
+            elif observe is not None:
+                observe(*shape[:2], stats.forward_seconds, shape[2])
         self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
         timing = stats.draft_timing
         if timing is not None and timing.num_more:

@@ -68,7 +68,9 @@ class StepTimeModel:
     KV reads beyond the grid's own. Beyond the last grid point v extends along its last slope.
     `observe` refines the grid values online (an EWMA toward each measurement, split between the
     two neighbouring grid points by their interpolation weights); the context and row costs stay as
-    calibrated.
+    calibrated. Steps that ran eagerly where graphs serve their token count are learned into a
+    table of their own (`predict_off_graph`): the grid prices the path decode and verify steps
+    take.
     """
 
     def __init__(
@@ -96,6 +98,10 @@ class StepTimeModel:
         # t(1) is.
         self.learned: list[float] = []
         self.values: list[float] = []
+        # What steps run eagerly where graphs serve their token count teach (`observe`): kept
+        # apart, so a burst of them does not price every graph step as eager (None until one).
+        self.eager_learned: list[float] | None = None
+        self.eager_values: list[float] | None = None
         self.rescale(values)
         self.context_coef = max(float(context_coef), 0.0)
         self.row_coef = max(float(row_coef), 0.0)
@@ -165,22 +171,42 @@ class StepTimeModel:
             return self.context_coef
         return _lerp(self.context_grid, self.context_coefs, n)
 
-    def observe(self, n: int, context: int, seconds: float, rows: int = 1) -> None:
+    def observe(
+        self, n: int, context: int, seconds: float, rows: int = 1, off_graph: bool = False
+    ) -> None:
         """Move the learned grid values around n a step `rate` toward one measured step time,
-        judged against what they predict (not the envelope: a neighbour's excess is not n's)."""
-        predicted = self._predict(self.learned, n, context, rows)
+        judged against what they predict (not the envelope: a neighbour's excess is not n's).
+        `off_graph`: the step ran eagerly where a decode step of n tokens replays a CUDA graph
+        (a prompt chunk beside decodes on flash-attn, a draft model's catch-up); it teaches the
+        eager table (`predict_off_graph`), never the grid the graph steps are priced on."""
+        if off_graph:
+            if self.eager_learned is None:
+                self.eager_learned = list(self.learned)
+            self._learn(self.eager_learned, n, context, seconds, rows)
+            self.eager_values = _non_decreasing(self.eager_learned)
+            return
+        self._learn(self.learned, n, context, seconds, rows)
+        self.values = _non_decreasing(self.learned)
+
+    def predict_off_graph(self, n: int, context: int = 0, rows: int = 1) -> float:
+        """t of a step that runs eagerly where graphs would serve its token count: the eager
+        table once such steps have been seen, the graph grid until then."""
+        return self._predict(self.eager_values or self.values, n, context, rows)
+
+    def _learn(self, learned: list[float], n: int, context: int, seconds: float, rows: int) -> None:
+        predicted = self._predict(learned, n, context, rows)
         # A step slowed by something else (another process, a page fault) says little about
         # the device: one measurement moves the model by at most half its prediction.
         error = max(-0.5 * predicted, min(seconds - predicted, 0.5 * predicted))
         weights = _hat_weights(self.grid, n)
         for j, w in enumerate(weights):
-            self.learned[j] = max(self.learned[j] + self.rate * w * error, 0.0)
-        self.values = _non_decreasing(self.learned)
+            learned[j] = max(learned[j] + self.rate * w * error, 0.0)
 
     def rescale(self, values: Sequence[float]) -> None:
-        """Replace the grid values, learned and predicted alike."""
+        """Replace the grid values, learned and predicted alike (the eager table starts over)."""
         self.values = _non_decreasing([max(float(v), 0.0) for v in values])
         self.learned = list(self.values)
+        self.eager_learned = self.eager_values = None
 
     @property
     def knee(self) -> int:

@@ -156,6 +156,9 @@ def test_steps_no_graph_holds_run_eagerly(pair):
     assert graphs.forward([too_long]) is NOT_CAPTURED
     assert graphs.forward([]) is NOT_CAPTURED
     assert sum(g.num_replays for g in capture.graphs) == 0
+    # Of these, the steps a decode graph of their size exists for ran eagerly off the graphs:
+    # the step-time model learns them apart (engine/policy/step_time.py).
+    assert graphs.covers(7) and graphs.covers(16) and not graphs.covers(20)
 
 
 def test_capture_is_largest_first_into_one_pool(pair):
@@ -258,3 +261,19 @@ def test_draft_buckets_stay_within_the_memory_plan(tiny_llama, max_num_seqs, num
     full_batch = [SeqChunk([0, 0], 0, [0], 1) for _ in range(max_num_seqs)]
     if 2 * max_num_seqs <= planned:
         assert graph_buckets.choose_bucket(sizes, MAX_MODEL_LEN, full_batch) is not None
+
+
+def test_the_runner_marks_eager_steps_a_graph_of_their_size_would_serve(pair):
+    _, graphed, graphs, capture, prompts = pair
+    start, table = prompts["a"]
+    graphed.graphs = graphs
+    decode = SeqChunk([7], start, table, 1)
+    many = [SeqChunk([7] * 5, 0, [i % NUM_BLOCKS], 5) for i in range(4)]  # 20 tokens > 16
+    for chunks, off_graph in (
+        ([decode], False),  # replayed
+        ([decode, SeqChunk([7] * 6, start, table, 1)], True),  # a 7-token step ran eagerly
+        (many, False),  # eager, as every step of 20 tokens is
+    ):
+        ModelRunner.forward(graphed, chunks)
+        assert graphed.last_off_graph is off_graph
+    assert sum(g.num_replays for g in capture.graphs) == 1

@@ -104,3 +104,26 @@ def test_verify_steps_refine_the_step_time_model_at_their_own_shape() -> None:
     assert model.predict(4, 0, 4) == pytest.approx(1.0, rel=0.02)  # the plain shape kept
     # The model now predicts the verify steps right, so their error no longer needs correcting.
     assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
+
+
+def test_eager_steps_beside_graphs_are_learned_apart() -> None:
+    """A step that ran eagerly where graphs serve its size (a prompt chunk beside decodes on
+    flash-attn) is slower than the graph steps decisions are about: it teaches the eager table
+    and leaves the grid alone (the H200 run's t(64) rose from 4.8 to 17.6 ms when both were one)."""
+    model = StepTimeModel([1, 16, 64], [1.0, 1.2, 2.0])
+    policy = SpeculationPolicy("auto", 7, model)
+    graph = StepStats((), (), 16, 16, 0, 1.2, 0.0, 0.0)
+    eager = StepStats((), (), 64, 2, 0, 8.0, 0.0, 0.0, off_graph=True)
+    for _ in range(80):
+        policy.observe(graph)
+        policy.observe(eager)
+    assert model.predict(64) == pytest.approx(2.0)  # the grid as the graph steps left it
+    assert model.predict(16, 0, 16) == pytest.approx(1.2, rel=0.02)
+    assert model.predict_off_graph(64) == pytest.approx(8.0, rel=0.02)
+    # The correction judges each step on its own path: neither is mispriced once learned.
+    assert policy.costs.correction == pytest.approx(1.0, abs=0.05)
+    # Before any eager step, they are priced as the graph grid says; a rescale starts over.
+    fresh = StepTimeModel([1, 16, 64], [1.0, 1.2, 2.0])
+    assert fresh.predict_off_graph(64) == fresh.predict(64)
+    model.rescale([1.0, 1.0, 1.0])
+    assert model.predict_off_graph(64) == model.predict(64) == 1.0
