@@ -79,7 +79,7 @@ def run_torch(case: PagedCase, scale: float) -> torch.Tensor:
 
 def test_the_kernel_runs_in_the_interpreter():
     # Without this the checks below would need a GPU, or test nothing.
-    assert type(triton_attn._paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert type(triton_attn.paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
