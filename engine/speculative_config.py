@@ -45,6 +45,11 @@ class SpeculativeConfig:
     # The draft model stops drafting for a request once it gives its own token less than this
     # probability (bench/spec.py: 0.6 with 5 tokens beat a fixed 3-token window on open chat).
     draft_min_confidence: float = 0.6
+    # The draft model reads each prompt chunk in the step the target does, so a request that
+    # goes on to draft has no catch-up left (on CUDA a catch-up chunk runs eagerly beside graph
+    # steps); None: on CUDA. Off, the draft model catches up lazily, only for the requests the
+    # policy lets it draft for (no prefill cost for the others: the CPU's choice).
+    draft_follows_prefill: bool | None = None
     # The policy: "off" never drafts, "always" drafts num_speculative_tokens for every decoding
     # request, "auto" grants each request the k that maximises the step's predicted goodput.
     mode: str = "auto"

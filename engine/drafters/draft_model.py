@@ -10,7 +10,11 @@ a request drafts:
    drafts plus the recovered or bonus token), with logits for the last one: q_1 -> d_1.
 2. k - 1 more single-token forwards, batched across the drafting requests, for d_2 .. d_k.
 
-The draft is lazy: a request the policy does not let speculate costs the draft model nothing,
+On CUDA (`draft_follows_prefill`) the draft model reads each prompt chunk in the step the
+target reads it (a forward of its own, no logits), so a request starts decoding with its draft
+current and its first draft is a graph-shaped forward, not a catch-up over its whole prompt.
+Otherwise the draft is lazy: a request the policy does not let speculate costs the draft model
+nothing (the CPU's choice, where a draft prefill of every prompt would add to its first token),
 and when speculation resumes its first forward catches up on everything it missed, so its KV is
 exact again and acceptance does not collapse. The policy bounds that catch-up per step (engine/
 speculation/costs.py): a request further behind gets chunks of catch-up over several steps
@@ -61,6 +65,7 @@ class DraftModelProposer(ModelDrafter):
         block_manager: BlockManager,
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
+        follows_prefill: bool = False,
     ) -> None:
         # The draft's own vocabulary may be padded to another size than the target's (see
         # ModelDrafter._sample).
@@ -71,6 +76,8 @@ class DraftModelProposer(ModelDrafter):
         self._states: dict[str, _DraftState] = {}
         self._scheduled: Sequence[tuple[Request, int]] = ()
         self._catch_up: Sequence[tuple[Request, int]] = ()
+        self.follows_prefill = follows_prefill
+        self._follow: Sequence[tuple[Request, int]] = ()
 
     def prepare(self, scheduled: Sequence[tuple[Request, int]]) -> None:
         self._scheduled = scheduled
@@ -80,6 +87,22 @@ class DraftModelProposer(ModelDrafter):
         """This step's catch-up without drafts: (request, tokens) the next `propose` computes
         the draft KV of, from where the draft model stopped, in its first forward."""
         self._catch_up = requests
+
+    def follow_prefill(self, scheduled: Sequence[tuple[Request, int]]) -> bool:
+        """Prompt chunks the draft model reads in this step's first forward (no logits): those
+        that start where its KV of the request ends (not past a prefix-cache hit it never read,
+        nor with fed drafts to settle)."""
+        follow = []
+        if self.follows_prefill:
+            for request, n in scheduled:
+                start = request.num_computed_tokens
+                if n <= 0 or start + n > request.num_prompt_tokens:
+                    continue
+                state = self._sync(request)
+                if state.num_computed == start and not state.fed:
+                    follow.append((request, n))
+        self._follow = follow
+        return bool(follow)
 
     def free(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
@@ -137,10 +160,28 @@ class DraftModelProposer(ModelDrafter):
                 num_catch_up += end - state.num_computed
                 state.num_computed = end
         self._catch_up = ()
+        num_catch_up += self._read_prompts()
         if not chunks:
             return drafting, None, 0
         # Rows of the drafting requests, in their order (None when only catching up).
         return drafting, self.runner.forward(chunks), num_catch_up
+
+    def _read_prompts(self) -> int:
+        """The followed prompt chunks (`follow_prefill`) in a forward of their own, so the
+        drafting rows' forward keeps a graph's shape -> the tokens read."""
+        chunks = []
+        for request, n in self._follow:
+            state = self._sync(request)
+            start = request.num_computed_tokens
+            if state.num_computed == start:
+                table = self.block_manager.get_block_table(request.request_id)
+                tokens = self._inputs(request.all_token_ids[start : start + n])
+                chunks.append(SeqChunk(tokens, start, table, 0))
+                state.num_computed = start + n
+        self._follow = ()
+        if chunks:
+            self.runner.forward(chunks)
+        return sum(len(c.token_ids) for c in chunks)
 
     def _next(self, active: list[tuple[Request, int]], drafted: Drafted) -> torch.Tensor:
         logits = self.runner.forward([self._feed(r, drafted[r.request_id][0]) for r, _ in active])

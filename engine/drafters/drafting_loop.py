@@ -86,6 +86,12 @@ class ModelDrafter:
         """This step's catch-up without drafts, (request, tokens) pairs, computed in the next
         `propose`'s first forward; a drafter that is always current has none."""
 
+    def follow_prefill(self, scheduled: Sequence[tuple[Request, int]]) -> bool:
+        """This step's prompt chunks, (request, tokens) pairs, that the next `propose`'s first
+        forward reads too, so the drafter is current when the request starts decoding; whether
+        any is taken. A drafter that does not follow prefill takes none."""
+        return False
+
     def after_step(
         self, requests: Sequence[Request], chunks: Sequence[SeqChunk], results: Sequence[object]
     ) -> None:

@@ -76,12 +76,14 @@ def _grammar(context: DrafterContext) -> Proposer:
 
 def _draft_model(context: DrafterContext) -> Proposer:
     spec, _, runner, blocks = context.model_parts()
+    follows = spec.draft_follows_prefill
     return DraftModelProposer(
         runner,
         Sampler(runner.model_config.vocab_size, context.eos_token_ids),
         blocks,
         spec.draft_min_confidence,
         vocab_size=context.vocab_size,
+        follows_prefill=runner.device.is_cuda if follows is None else follows,
     )
 
 

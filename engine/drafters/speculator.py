@@ -80,6 +80,7 @@ class Speculator:
         self._batch_pause: tuple[int, int, int] | None = None
         # The decoding requests of the last offer left without one, by reason (mode_off, paused).
         self.skipped: tuple[tuple[str, int], ...] = ()
+        self._mode = "off"  # the mode of the last offer
 
     @property
     def reads_target_states(self) -> bool:
@@ -104,6 +105,7 @@ class Speculator:
         all (nothing will be granted): the requests a source could draft for are counted in
         `skipped` (mode_off), as are, in auto, the paused lookups (paused)."""
         self._step += 1
+        self._mode = mode
         if mode == "off":
             self.skipped = self._count_off(requests)
             return {}
@@ -251,12 +253,15 @@ class Speculator:
             n = chunks.get(s.request.request_id, 0)
             if n and not s.num_draft_tokens and s.offer is not None:
                 catch_up.setdefault(s.offer.source, []).append((s.request, n))
+        prompts = [(r, n) for r, n in pairs if r.num_computed_tokens < r.num_prompt_tokens]
         for drafter in self._model_drafters:
             granted = by_model.get(drafter.name, [])
             behind = catch_up.get(drafter.name, [])
             if behind:
                 drafter.catch_up(behind)
-            if not granted and not behind:
+            # Mode off drafts nothing: no drafter reads prompts it would never draft after.
+            following = self._mode != "off" and bool(prompts) and drafter.follow_prefill(prompts)
+            if not granted and not behind and not following:
                 continue
             found = drafter.propose(
                 [s.request for s in granted], [s.num_draft_tokens for s in granted]

@@ -274,3 +274,50 @@ def test_a_draft_that_does_not_cover_the_tokenizer_is_refused(target, tmp_path):
     draft = build_tiny_model(tmp_path / "draft", "llama", num_hidden_layers=1, vocab_size=200)
     with pytest.raises(ValueError, match="share a tokenizer"):
         LLM(str(target), speculative_config=_spec("draft_model", 2, draft))
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        {},
+        dict(max_num_batched_tokens=7),  # prompts in chunks, beside other requests' verifies
+        dict(block_size=4, num_kv_blocks=24, max_model_len=80),  # preempted: the draft starts over
+    ],
+)
+def test_a_draft_model_that_follows_prefill_is_lossless(target, random_draft, expected, scenario):
+    spec = {**_spec("draft_model", 3, random_draft), "draft_follows_prefill": True}
+    llm = LLM(str(target), dtype="float32", speculative_config=spec, **scenario)
+    assert _run(llm) == expected
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_draft_model_that_follows_prefill_is_current_when_decoding_starts(target, follows):
+    """A self-draft (always right, so a draft KV that is wrong anywhere would show as a
+    rejection) reads the prompt in the target's prefill steps: the first decode step catches up
+    on nothing, and every draft is accepted. Lazy, it catches up on the whole prompt then."""
+    spec = {**_spec("draft_model", 3, target), "draft_follows_prefill": follows}
+    llm = LLM(str(target), dtype="float32", max_num_batched_tokens=8, speculative_config=spec)
+    engine = llm.engine
+    drafter = engine.speculator.chain[0]
+    prompt = PROMPTS[2]
+    assert len(prompt) > 8  # prefilled over several steps
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    request = engine._groups["a"].requests[0]
+    while not request.output_token_ids:
+        engine.step()
+    assert drafter.num_behind(request) == (0 if follows else len(prompt))
+    forward, chunk_lens = drafter.runner.forward, []
+
+    def recorded(chunks, *args, **kwargs):
+        chunk_lens.extend(len(c.token_ids) for c in chunks)
+        return forward(chunks, *args, **kwargs)
+
+    drafter.runner.forward = recorded
+    engine.step()  # the first drafting step: its first forward reads what the draft lacks
+    drafter.runner.forward = forward
+    assert chunk_lens[0] == (1 if follows else len(prompt) + 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
