@@ -4,7 +4,8 @@ Threading contract:
 - Every call into the `LLMEngine` (add_request, abort, step, and the functions given to `call`)
   runs on the engine thread. Asyncio code reaches it only through a thread-safe command queue
   that the loop drains at the top of every iteration, so an abort lands before the next step.
-- Outputs go back through one asyncio.Queue per request, fed with `loop.call_soon_threadsafe`.
+- Outputs go back through one asyncio.Queue per request, fed with `loop.call_soon_threadsafe`
+  once a step per event loop (all that step's outputs for that loop's streams together).
   Each is what one step added to the request, and the engine never changes it afterwards, so the
   thread hands it over as it is; the queue keeps every one, so a consumer that falls behind still
   receives each delta, in order.
@@ -26,7 +27,16 @@ from typing import TypeVar
 from engine.engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from server.engine_channel import Abort, Add, Call, Command, OutputStream, Stop, settle
+from server.engine_channel import (
+    Abort,
+    Add,
+    Call,
+    Command,
+    OutputStream,
+    Stop,
+    put_all,
+    settle,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -284,24 +294,35 @@ class AsyncEngine:
         return RequestOutput(request_id, prompt_text, prompt_ids, outputs, finished=True)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """The step's outputs to their streams: one wake-up per event loop for all of them."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for output in outputs:
             try:
-                self._deliver_one(output)
+                stream = self._take(output)
             except Exception:  # one request's failure must not lose the others' outputs
                 logger.exception("could not deliver the output of %r", output.request_id)
                 self._fail_stream(output.request_id)
+                continue
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            if put_all(loop, items):
+                continue
+            for stream, output in items:
+                if not output.finished:
+                    logger.warning("the consumer of %r is gone: aborting it", output.request_id)
+                    self._abort(output.request_id, stream)
 
-    def _deliver_one(self, output: RequestOutput) -> None:
+    def _take(self, output: RequestOutput) -> OutputStream | None:
+        """The stream `output` goes to (None: nobody waits for it), its bookkeeping done."""
         stream = self._streams.get(output.request_id)
         if stream is None:
-            return
+            return None
         if output.finished:
             del self._streams[output.request_id]
         else:
             stream.last = output
-        if not stream.put(output) and not output.finished:
-            logger.warning("the consumer of %r is gone: aborting it", output.request_id)
-            self._abort(output.request_id, stream)
+        return stream
 
     def _fail_stream(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

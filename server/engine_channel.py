@@ -33,6 +33,24 @@ class OutputStream:
         return True
 
 
+def put_all(
+    loop: asyncio.AbstractEventLoop, items: Sequence[tuple[OutputStream, RequestOutput]]
+) -> bool:
+    """Hand a step's outputs for streams of one event loop over in one wake-up of that loop
+    (each `call_soon_threadsafe` writes to the loop's self-pipe: one write a step, not one a
+    stream); False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(_put_items, items)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _put_items(items: Sequence[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
 @dataclass(frozen=True)
 class Add:
     request_id: str

@@ -195,3 +195,40 @@ def test_cancelled_generations_free_everything(tiny_llama):
     assert_stream_consistent(after)
     want = offline(tiny_llama, [prompt_of(3)], GREEDY)[0].outputs[0].token_ids
     assert whole(after).outputs[0].token_ids == want
+
+
+def test_a_steps_outputs_reach_their_loop_in_one_wake_up(tiny_llama):
+    """Every output of a step for streams of one event loop is handed over in one
+    call_soon_threadsafe (one self-pipe write a step, not one a stream): at most one wake-up a
+    step however many streams decode, and every delta still arrives in order."""
+    prompts = [prompt_of(i) for i in range(6)]
+    expected = offline(tiny_llama, prompts, GREEDY)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            nonlocal wakeups
+            # Outputs only (a `call`'s future is settled the same way).
+            if getattr(args[0], "__name__", "") == "_put_items":
+                wakeups += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        ae = AsyncEngine(make_engine(tiny_llama))
+        ae.start()
+        results = await asyncio.gather(
+            *(collect(ae, f"g{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+        steps = await ae.call(lambda engine: engine.metrics.num_steps)
+        await ae.shutdown(timeout=5)
+        return results, wakeups, steps
+
+    results, wakeups, steps = run(main())
+    for outs, want in zip(results, expected, strict=True):
+        assert_stream_consistent(outs)
+        assert [c.token_ids for c in whole(outs).outputs] == [c.token_ids for c in want.outputs]
+    num_outputs = sum(len(outs) for outs in results)
+    assert wakeups <= steps < num_outputs
