@@ -26,15 +26,12 @@ class OutputStream:
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Hand an item to the consumer; False if its event loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
+        return put_all(self.loop, [(self, item)])
 
 
 def put_all(
-    loop: asyncio.AbstractEventLoop, items: Sequence[tuple[OutputStream, RequestOutput]]
+    loop: asyncio.AbstractEventLoop,
+    items: Sequence[tuple[OutputStream, RequestOutput | BaseException]],
 ) -> bool:
     """Hand a step's outputs for streams of one event loop over in one wake-up of that loop
     (each `call_soon_threadsafe` writes to the loop's self-pipe: one write a step, not one a
@@ -46,7 +43,7 @@ def put_all(
     return True
 
 
-def _put_items(items: Sequence[tuple[OutputStream, RequestOutput]]) -> None:
+def _put_items(items: Sequence[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
 

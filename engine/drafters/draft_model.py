@@ -89,9 +89,10 @@ class DraftModelProposer(ModelDrafter):
         self._catch_up = requests
 
     def follow_prefill(self, scheduled: Sequence[tuple[Request, int]]) -> bool:
-        """Prompt chunks the draft model reads in this step's first forward (no logits): those
-        that start where its KV of the request ends (not past a prefix-cache hit it never read,
-        nor with fed drafts to settle)."""
+        """Of this step's chunks, the prompt chunks the draft model reads in its first forward
+        (no logits): those that start where its KV of the request ends (not past a prefix-cache
+        hit it never read, nor with fed drafts to settle). Nothing is looked at unless the draft
+        model follows prefill (the CPU's step pays nothing for it)."""
         follow = []
         if self.follows_prefill:
             for request, n in scheduled:

@@ -87,9 +87,9 @@ class ModelDrafter:
         `propose`'s first forward; a drafter that is always current has none."""
 
     def follow_prefill(self, scheduled: Sequence[tuple[Request, int]]) -> bool:
-        """This step's prompt chunks, (request, tokens) pairs, that the next `propose`'s first
-        forward reads too, so the drafter is current when the request starts decoding; whether
-        any is taken. A drafter that does not follow prefill takes none."""
+        """Of this step's chunks, (request, tokens) pairs, the prompt chunks the next `propose`
+        reads too, so the drafter is current when the request starts decoding; whether any is
+        taken. A drafter that does not follow prefill takes none."""
         return False
 
     def after_step(

@@ -253,14 +253,13 @@ class Speculator:
             n = chunks.get(s.request.request_id, 0)
             if n and not s.num_draft_tokens and s.offer is not None:
                 catch_up.setdefault(s.offer.source, []).append((s.request, n))
-        prompts = [(r, n) for r, n in pairs if r.num_computed_tokens < r.num_prompt_tokens]
         for drafter in self._model_drafters:
             granted = by_model.get(drafter.name, [])
             behind = catch_up.get(drafter.name, [])
             if behind:
                 drafter.catch_up(behind)
             # Mode off drafts nothing: no drafter reads prompts it would never draft after.
-            following = self._mode != "off" and bool(prompts) and drafter.follow_prefill(prompts)
+            following = self._mode != "off" and drafter.follow_prefill(pairs)
             if not granted and not behind and not following:
                 continue
             found = drafter.propose(

@@ -172,10 +172,8 @@ class DraftCosts:
         shape = (stats.num_tokens, stats.context, stats.num_rows)
         # A step that ran eagerly where graphs serve its size is judged and learned on its own
         # path (engine/policy/step_time.py): the grid prices the graph steps decisions are about.
-        eager_price = getattr(step_model, "predict_off_graph", None)
-        off_graph = stats.off_graph and eager_price is not None
-        predict = eager_price if off_graph and eager_price is not None else step_model.predict
-        predicted = predict(*shape)
+        eager_price = getattr(step_model, "predict_off_graph", None) if stats.off_graph else None
+        predicted = (eager_price or step_model.predict)(*shape)
         if stats.num_tokens and predicted > 0:
             realised = stats.forward_seconds
             if has_drafts:
@@ -189,10 +187,9 @@ class DraftCosts:
             # of decode-shaped rows at an n plain steps may never reach, where calibration timed
             # one sequence's chunk.
             observe = getattr(step_model, "observe", None)
-            if observe is not None and off_graph:
-                observe(*shape[:2], stats.forward_seconds, shape[2], off_graph=True)
-            elif observe is not None:
-                observe(*shape[:2], stats.forward_seconds, shape[2])
+            if observe is not None:
+                path = {"off_graph": True} if eager_price is not None else {}
+                observe(*shape[:2], stats.forward_seconds, shape[2], **path)
         self._overhead[has_drafts] = _ewma(self._overhead[has_drafts], stats.overhead_seconds)
         timing = stats.draft_timing
         if timing is not None and timing.num_more:

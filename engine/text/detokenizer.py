@@ -48,9 +48,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 def backend_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str] | None:
     """The Rust tokenizer's own `decode(ids, skip_special_tokens)` where the transformers
     tokenizer's decode, without clean-up, is exactly that call (a fast tokenizer that overrides
-    neither `decode` nor `_decode`); else None. Two decodes a token through transformers' Python
-    wrapper cost 3.4 us each against 1.1 us direct (smollm2's tokenizer, this host): the engine
-    thread detokenizes every stream's every token, 64 of them a step at 64 streams."""
+    neither `decode` nor `_decode`); else None. The engine thread detokenizes every stream's
+    every token (two decodes each), and transformers' Python wrapper costs more than the decode
+    itself (bench/detokenize.py measures both paths)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or backend is None:
         return None
